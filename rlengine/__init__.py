@@ -1,0 +1,7 @@
+"""rlengine: a single-process RL engine for LLMs.
+
+The generator (paged-KV engine) and the learner (GRPO / PPO) run one nn.Module and share
+one copy of its weights. See README.md for the two commands that start everything.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,30 @@
+"""Loads the optional C++ extension (rlengine._C) and says once which ops fall back.
+
+The extension registers CPU ops as torch.ops.rlengine.<name>. When it is not built (a
+failed or skipped compile), every caller uses its plain-torch implementation instead;
+`has_op(name)` is how callers choose.
+"""
+
+import sys
+
+import torch
+
+CPP_OPS = ("rms_norm", "store_kvcache", "paged_decode")
+
+try:
+    from rlengine import _C  # noqa: F401  (import registers torch.ops.rlengine.*)
+
+    AVAILABLE = True
+    LOAD_ERROR = None
+except ImportError as exc:  # pragma: no cover - depends on the build
+    AVAILABLE = False
+    LOAD_ERROR = str(exc)
+    print(f"rlengine: C++ extension not built ({exc}); ops {', '.join(CPP_OPS)} use torch fallbacks",
+          file=sys.stderr)
+
+
+def has_op(name: str) -> bool:
+    """True when torch.ops.rlengine.<name> is registered by the built extension."""
+    if not AVAILABLE:
+        return False
+    return hasattr(torch.ops.rlengine, name)

@@ -1,0 +1,213 @@
+"""Model configuration: one dataclass for Qwen3 dense and Qwen3-MoE, plus named presets.
+
+ModelConfig mirrors the Hugging Face config.json fields that change the computation and
+nothing else. `from_hf_dict` / `to_hf_dict` are the only places that know HF's key names
+(including the renames between transformers 4.x and 5.x). Presets are plain factories; the
+tiny ones run a forward on the CPU in milliseconds and are what the tests and the embedded
+default job use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+ARCH_DENSE = "Qwen3ForCausalLM"
+ARCH_MOE = "Qwen3MoeForCausalLM"
+SUPPORTED_ARCHS = (ARCH_DENSE, ARCH_MOE)
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or outside its allowed range."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(slots=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a Qwen3 / Qwen3-MoE decoder. MoE iff num_experts > 0."""
+
+    vocab_size: int
+    hidden_size: int                      # C
+    intermediate_size: int                # F of the dense MLP layers
+    num_hidden_layers: int                # L
+    num_attention_heads: int              # H
+    num_key_value_heads: int              # Hkv; H % Hkv == 0
+    head_dim: int                         # D (may differ from C / H in Qwen3)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None      # HF rope_parameters minus rope_theta; None = default RoPE
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    # MoE (Qwen3-MoE). num_experts == 0 means every layer is dense.
+    num_experts: int = 0                  # E
+    num_experts_per_tok: int = 0          # K (top-k)
+    moe_intermediate_size: int = 0        # F of one expert
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, f"ModelConfig.{name} must be an int >= 1, got {value!r}")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 f"ModelConfig.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                 f"num_key_value_heads ({self.num_key_value_heads})")
+        _require(self.head_dim % 2 == 0, f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        _require(self.rms_norm_eps > 0, f"ModelConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        _require(self.rope_theta > 0, f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            _require(kind in ("default", "linear", "dynamic", "yarn"),
+                     f"ModelConfig.rope_scaling type {kind!r} is not supported (default, linear, dynamic, yarn)")
+        if self.num_experts:
+            _require(1 <= self.num_experts_per_tok <= self.num_experts,
+                     f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                     f"got {self.num_experts_per_tok}")
+            _require(self.moe_intermediate_size >= 1,
+                     f"ModelConfig.moe_intermediate_size must be >= 1 for MoE, got {self.moe_intermediate_size}")
+            _require(self.decoder_sparse_step >= 1,
+                     f"ModelConfig.decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        _require(not bad, f"ModelConfig.mlp_only_layers has layer ids outside [0, {self.num_hidden_layers}): {bad}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def architecture(self) -> str:
+        return ARCH_MOE if self.is_moe else ARCH_DENSE
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Qwen3-MoE rule: sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
+        return (self.is_moe and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- Hugging Face config.json ------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        """Build from a HF config dict; `source` names the file in error messages."""
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type")
+        arch = archs[0] if archs else {"qwen3": ARCH_DENSE, "qwen3_moe": ARCH_MOE}.get(model_type)
+        if arch not in SUPPORTED_ARCHS:
+            raise ConfigError(f"{source}: unsupported architecture {arch or model_type!r}; "
+                              f"rlengine supports {', '.join(SUPPORTED_ARCHS)}")
+        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
+        if arch == ARCH_DENSE:
+            required.append("intermediate_size")
+        else:
+            required += ["moe_intermediate_size", "num_experts_per_tok"]
+        missing = [k for k in required if k not in d]
+        if arch == ARCH_MOE and "num_experts" not in d and "num_local_experts" not in d:
+            missing.append("num_experts")
+        if missing:
+            raise ConfigError(f"{source}: missing required field(s) {', '.join(missing)}")
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10_000.0))
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        heads = d["num_attention_heads"]
+        kw = dict(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d.get("intermediate_size", d.get("moe_intermediate_size")),
+            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=rope or None,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            attention_bias=d.get("attention_bias", False),
+            bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+        )
+        if arch == ARCH_MOE:
+            kw.update(num_experts=d.get("num_experts", d.get("num_local_experts")),
+                      num_experts_per_tok=d["num_experts_per_tok"],
+                      moe_intermediate_size=d["moe_intermediate_size"],
+                      norm_topk_prob=d.get("norm_topk_prob", False),
+                      decoder_sparse_step=d.get("decoder_sparse_step", 1),
+                      mlp_only_layers=list(d.get("mlp_only_layers") or []))
+        try:
+            return cls(**kw)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    def to_hf_dict(self) -> dict:
+        """A config.json dict that transformers (4.51+ and 5.x) loads."""
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})}
+        d = {
+            "architectures": [self.architecture],
+            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_parameters": rope,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "hidden_act": "silu", "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id, "torch_dtype": "float32",
+        }
+        if self.is_moe:
+            d.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok,
+                     moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                     decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
+        return d
+
+
+# ---- presets ---------------------------------------------------------------------------
+def _tiny(**kw) -> ModelConfig:
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                rope_theta=10_000.0, tie_word_embeddings=True)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+PRESETS = {
+    # Tests and the embedded default job.
+    "tiny": lambda: _tiny(),
+    "tiny-moe": lambda: _tiny(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              norm_topk_prob=True),
+    # ~30M parameters: the CPU decode benchmark shape.
+    "qwen3-30m": lambda: ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536,
+                                     num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                                     head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True),
+    # Real model shapes (random weights unless loaded from a checkpoint): roofline and benches.
+    "qwen3-0.6b": lambda: ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                      num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                      head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True),
+    "qwen3-30b-a3b": lambda: ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                         head_dim=128, max_position_embeddings=40960, num_experts=128,
+                                         num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """A named ModelConfig; raises ConfigError listing the known names."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]()
