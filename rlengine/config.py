@@ -67,8 +67,8 @@ class ModelConfig:
         _require(self.rope_theta > 0, f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            _require(kind in ("default", "linear", "dynamic", "yarn"),
-                     f"ModelConfig.rope_scaling type {kind!r} is not supported (default, linear, dynamic, yarn)")
+            _require(kind in ("default", "linear"),
+                     f"ModelConfig.rope_scaling type {kind!r} is not supported (supported: default, linear)")
         if self.num_experts:
             _require(1 <= self.num_experts_per_tok <= self.num_experts,
                      f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "

@@ -1,0 +1,6 @@
+"""The Qwen3 / Qwen3-MoE model shared by the generator and the learner, and its HF loader."""
+
+from rlengine.model.loader import CheckpointError, load_config, load_pretrained, save_pretrained
+from rlengine.model.qwen3 import Qwen3ForCausalLM
+
+__all__ = ["Qwen3ForCausalLM", "load_pretrained", "save_pretrained", "load_config", "CheckpointError"]

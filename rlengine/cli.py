@@ -1,0 +1,69 @@
+"""The `rlengine` command line: one subcommand per job, each parsed here and run by its module.
+
+Library code never parses argv; this file is the only place that does. Imports are lazy so
+`rlengine --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="preset name (see `rlengine info`) or HF checkpoint directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+
+
+def _cmd_info(args) -> int:
+    import torch
+
+    from rlengine import _ext
+    from rlengine.config import PRESETS, preset
+
+    print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
+    print(f"C++ extension: {'built' if _ext.AVAILABLE else 'not built (' + str(_ext.LOAD_ERROR) + ')'}")
+    print("presets:")
+    for name in PRESETS:
+        cfg = preset(name)
+        kind = f"MoE E={cfg.num_experts} K={cfg.num_experts_per_tok}" if cfg.is_moe else "dense"
+        print(f"  {name:16s} L={cfg.num_hidden_layers} C={cfg.hidden_size} H={cfg.num_attention_heads} "
+              f"Hkv={cfg.num_key_value_heads} D={cfg.head_dim} V={cfg.vocab_size} {kind}")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from rlengine.demo import run_demo
+
+    run_demo(model=args.model, dtype=args.dtype, device=args.device, prompt=args.prompt,
+             max_tokens=args.max_tokens)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlengine", description="Single-process RL engine for LLMs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("info", help="show presets, devices and whether the C++ extension is built")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("demo", help="greedy generation from a preset or checkpoint through the plain forward")
+    _add_model_args(p)
+    p.add_argument("--prompt", default="12+34=", help="prompt text (built-in tokenizer for presets)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

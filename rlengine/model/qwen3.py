@@ -1,0 +1,154 @@
+"""The Qwen3 decoder (dense and MoE) that both the generator and the learner run.
+
+One nn.Module tree, one copy of the weights: the engine decodes with these parameters and
+the learner optimises them in place. The forward works on PACKED tokens: input_ids [T],
+positions [T] and an attention context (rlengine/model/attention.py) that says how tokens
+attend (causal per sequence for training and tests, paged KV for the engine). q/k/v and
+gate/up projections are fused into single weights (fewer GEMMs on the decode path); the
+loader maps them to and from Hugging Face's separate tensors.
+
+Dimension legend: B sequences, S sequence length, T packed tokens, C hidden, H / Hkv heads,
+D head dim, F FFN, E experts, K top-k, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlengine.config import ModelConfig
+from rlengine.model.attention import AttentionContext, DenseCausal, PackedCausal
+from rlengine.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
+from rlengine.model.moe import SparseMoeBlock
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x_TC, cos, sin, ctx: AttentionContext):
+        T = x_TC.shape[0]
+        q, k, v = self.qkv_proj(x_TC).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin)
+        o_THD = ctx.attend(self.layer_id, q, k, v.view(T, self.num_kv_heads, self.head_dim))
+        return self.o_proj(o_THD.reshape(T, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, moe_impl: str):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id)
+        if cfg.is_moe_layer(layer_id):
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                                      cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl)
+        else:
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x_TC, cos, sin, ctx):
+        x_TC = x_TC + self.self_attn(self.input_layernorm(x_TC), cos, sin, ctx)
+        return x_TC + self.mlp(self.post_attention_layernorm(x_TC))
+
+
+class Qwen3Model(nn.Module):
+    """Embedding, decoder layers, final norm: input_ids [T] -> hidden [T, C]."""
+
+    def __init__(self, cfg: ModelConfig, moe_impl: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, moe_impl) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg)
+
+    def forward(self, input_ids_T, positions_T, ctx: AttentionContext):
+        x_TC = self.embed_tokens(input_ids_T)
+        cos, sin = self.rotary(positions_T, x_TC.dtype)
+        for layer in self.layers:
+            x_TC = layer(x_TC, cos, sin, ctx)
+        return self.norm(x_TC)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 / Qwen3-MoE causal LM. Build with `Qwen3ForCausalLM(cfg)` (random init) or load_pretrained()."""
+
+    def __init__(self, cfg: ModelConfig, *, moe_impl: str = "ref", device=None, dtype=None, seed: int | None = 0):
+        super().__init__()
+        self.config = cfg
+        self.moe_impl = moe_impl
+        self.model = Qwen3Model(cfg, moe_impl)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if device is not None or dtype is not None:
+            self.to(device=device, dtype=dtype)
+        if seed is not None and not self.lm_head.weight.is_meta:
+            self.init_weights(seed)
+        self.build_buffers()
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def build_buffers(self) -> None:
+        """Recompute non-parameter buffers (RoPE tables) on the weights' device."""
+        if not self.lm_head.weight.is_meta:
+            self.model.rotary.build(self.device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random init like HF (normal(0, std) for matrices, ones for norms), reproducible from `seed`."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+    def hidden_states(self, input_ids_T, positions_T, ctx: AttentionContext) -> torch.Tensor:
+        """Packed forward without the LM head: [T] -> [T, C]."""
+        return self.model(input_ids_T, positions_T, ctx)
+
+    def compute_logits(self, hidden_TC: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_TC)
+
+    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        """Plain causal forward, no cache: input_ids [B, S] -> logits [B, S, V]."""
+        B, S = input_ids_BS.shape
+        positions = torch.arange(S, device=input_ids_BS.device).repeat(B)
+        ctx = DenseCausal(B, S, self.config.head_dim ** -0.5)
+        hidden = self.model(input_ids_BS.reshape(-1), positions, ctx)
+        return self.lm_head(hidden).view(B, S, -1)
+
+    def forward_packed(self, input_ids_T: torch.Tensor, cu_seqlens: list[int] | torch.Tensor,
+                       *, return_hidden: bool = False) -> torch.Tensor:
+        """Variable-length causal forward: sequences packed along T with boundaries cu_seqlens [B+1].
+
+        Returns logits [T, V], or hidden states [T, C] with return_hidden (for the fused log-prob).
+        Host sync: cu_seqlens is read on the host if given as a tensor.
+        """
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+        if cu[0] != 0 or cu[-1] != input_ids_T.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to T={input_ids_T.shape[0]}, got {cu}")
+        positions = torch.cat([torch.arange(b - a, device=input_ids_T.device) for a, b in zip(cu, cu[1:])])
+        hidden = self.model(input_ids_T, positions, PackedCausal(cu, self.config.head_dim ** -0.5))
+        return hidden if return_hidden else self.lm_head(hidden)
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
