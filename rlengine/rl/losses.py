@@ -1,0 +1,122 @@
+"""RL losses on packed token tensors: PPO clipped policy loss, PPO value loss, k3 KL.
+
+Sits inside Learner.step: per-token log-probs (rlengine.kernels.fused_logprob) and the
+TrainBatch's old log-probs, advantages and loss mask -> scalar loss + metrics.
+All token tensors are PACKED, [T] over every token of every sequence in the (micro-)batch:
+mask_T is 1.0 on tokens that are trained (response tokens) and 0.0 elsewhere (prompt,
+padding); seq_ids_T says which sequence each token belongs to, ids in [0, T).
+
+Aggregation and gradient accumulation. Every loss is SUM(per-unit loss) / normalizer:
+  "token-mean": units are valid tokens, normalizer = number of valid tokens;
+  "seq-mean":   units are sequences, each contributing the mean of its own valid tokens,
+                normalizer = number of sequences that have a valid token.
+With normalizer=None the count is taken from the tensors passed in. For gradient
+accumulation pass the count for the FULL update batch (all micro-batches; under DDP, which
+averages gradients over W ranks, pass global_count / W): the micro-batch losses then add up to
+the full-batch loss and their gradients add up to the full-batch gradient. Do not divide by
+the number of micro-batches again. For seq-mean a sequence must not be split across
+micro-batches. Metrics are detached 0-dim tensors over the tokens passed in (no host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+AGGREGATIONS = ("token-mean", "seq-mean")
+
+
+def masked_aggregate(loss_T: Tensor, mask_T: Tensor, seq_ids_T: Tensor | None = None, *,
+                     agg: str = "token-mean", normalizer: float | Tensor | None = None) -> Tensor:
+    """Reduce a per-token quantity [T] to a scalar by `agg` (see module docstring).
+
+    Used for the policy and value losses, and directly for KL or entropy terms:
+    masked_aggregate(kl_k3(logp, ref_logp), mask, seq_ids, agg=..., normalizer=...).
+    seq_ids_T is required for "seq-mean". No host sync: per-sequence sums go into a [T] buffer
+    (there are never more sequences than tokens). Returns an fp32 0-dim tensor.
+    """
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
+    if loss_T.shape != mask_T.shape or loss_T.dim() != 1:
+        raise ValueError(f"loss_T {tuple(loss_T.shape)} and mask_T {tuple(mask_T.shape)} must be the same [T] shape")
+    m = mask_T.to(torch.float32)
+    masked = loss_T.float() * m
+    if agg == "token-mean":
+        total, count = masked.sum(), m.sum()
+    else:
+        if seq_ids_T is None or seq_ids_T.shape != loss_T.shape:
+            raise ValueError("agg='seq-mean' needs seq_ids_T with the same [T] shape as loss_T")
+        seq_sum = masked.new_zeros(loss_T.shape[0]).index_add_(0, seq_ids_T, masked)
+        seq_cnt = m.new_zeros(loss_T.shape[0]).index_add_(0, seq_ids_T, m)
+        total = (seq_sum / seq_cnt.clamp(min=1.0)).sum()
+        count = (seq_cnt > 0).sum()
+    if normalizer is None:
+        normalizer = count.clamp(min=1).float()  # an all-masked batch gives loss 0, not NaN
+    return total / normalizer
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, seq_ids: Tensor | None = None, *,
+                clip_low: float = 0.2, clip_high: float = 0.28, agg: str = "token-mean",
+                log_ratio_clamp: float = 20.0, normalizer: float | Tensor | None = None
+                ) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate with asymmetric clipping (DAPO "clip-higher").
+
+    All inputs [T] packed; logp carries the gradient, old_logp / adv are constants.
+      log r = clamp(logp - old_logp, -log_ratio_clamp, +log_ratio_clamp)  (no inf after exp)
+      loss_t = max(-A_t * r_t, -A_t * clip(r_t, 1 - clip_low, 1 + clip_high))
+    aggregated by `agg` / `normalizer` (module docstring). Metrics (detached, over valid tokens):
+    clip_frac (tokens where the clipped branch is active, i.e. the gradient is cut), approx_kl
+    (k3 estimate of KL(old || new): mean of r - 1 - log r), ratio_mean.
+    """
+    if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
+        raise ValueError(f"policy_loss: need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    log_ratio = (logp.float() - old_logp.detach().float()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    a = adv.detach().float()
+    unclipped = -a * ratio
+    clipped = -a * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = masked_aggregate(torch.maximum(unclipped, clipped), mask, seq_ids, agg=agg, normalizer=normalizer)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": _token_mean((clipped > unclipped).float(), mask),
+            "approx_kl": _token_mean(ratio - 1.0 - log_ratio, mask),
+            "ratio_mean": _token_mean(ratio, mask),
+        }
+    return loss, metrics
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, seq_ids: Tensor | None = None, *,
+               clip: float = 0.2, agg: str = "token-mean", normalizer: float | Tensor | None = None
+               ) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped value loss, all inputs [T] packed; values carries the gradient.
+
+      v_clip = old_values + clamp(values - old_values, -clip, +clip)
+      loss_t = 0.5 * max((values - returns)^2, (v_clip - returns)^2)
+    aggregated like policy_loss. Metrics: vf_clip_frac (clipped error strictly larger).
+    """
+    if clip < 0:
+        raise ValueError(f"value_loss: clip must be >= 0, got {clip}")
+    v = values.float()
+    old = old_values.detach().float()
+    ret = returns.detach().float()
+    v_clip = old + (v - old).clamp(-clip, clip)
+    err, err_clip = (v - ret).square(), (v_clip - ret).square()
+    loss = masked_aggregate(0.5 * torch.maximum(err, err_clip), mask, seq_ids, agg=agg, normalizer=normalizer)
+    with torch.no_grad():
+        metrics = {"vf_clip_frac": _token_mean((err_clip > err).float(), mask)}
+    return loss, metrics
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor, *, log_ratio_clamp: float = 20.0) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) on tokens sampled from pi: [T] fp32.
+
+    d = ref_logp - logp (clamped to +-log_ratio_clamp before exp); k3 = exp(d) - d - 1 >= 0.
+    Unbiased for the KL, always non-negative. Aggregate with masked_aggregate.
+    """
+    d = (ref_logp.detach().float() - logp.float()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    return torch.exp(d) - d - 1.0
+
+
+def _token_mean(x_T: Tensor, mask_T: Tensor) -> Tensor:
+    m = mask_T.float()
+    return (x_T * m).sum() / m.sum().clamp(min=1.0)
