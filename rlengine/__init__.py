@@ -5,3 +5,7 @@ one copy of its weights. See README.md for the two commands that start everythin
 """
 
 __version__ = "0.1.0"
+
+from rlengine.engine import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

@@ -181,7 +181,9 @@ class ModelConfig:
 def _tiny(**kw) -> ModelConfig:
     base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
-                rope_theta=10_000.0, tie_word_embeddings=True)
+                rope_theta=10_000.0, tie_word_embeddings=True,
+                # ids of the built-in tokenizer's specials (rlengine.model.tokenizer)
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)
     base.update(kw)
     return ModelConfig(**base)
 
@@ -194,7 +196,8 @@ PRESETS = {
     # ~30M parameters: the CPU decode benchmark shape.
     "qwen3-30m": lambda: ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536,
                                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-                                     head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True),
+                                     head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2),
     # Real model shapes (random weights unless loaded from a checkpoint): roofline and benches.
     "qwen3-0.6b": lambda: ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,

@@ -1,0 +1,37 @@
+"""Attention backends behind one plan()/run() protocol, and the choice between them."""
+
+from __future__ import annotations
+
+import torch
+
+from rlengine.engine.attention.base import AttentionBackend
+from rlengine.engine.attention.cpp_backend import CppBackend
+from rlengine.engine.attention.flashinfer_backend import FlashInferBackend
+from rlengine.engine.attention.torch_backend import TorchBackend
+from rlengine.engine.attention.triton_backend import TritonBackend
+
+BACKENDS = {"torch": TorchBackend, "cpp": CppBackend, "triton": TritonBackend, "flashinfer": FlashInferBackend}
+
+
+def resolve_backend(name: str, device: torch.device) -> type[AttentionBackend]:
+    """The backend class for `name` ("auto" picks flashinfer > triton on GPU, cpp > torch on CPU).
+
+    Raises ValueError naming the backend and why it cannot run on this machine.
+    """
+    if name == "auto":
+        order = ("flashinfer", "triton", "torch") if device.type == "cuda" else ("cpp", "torch")
+        for cand in order:
+            cls = BACKENDS[cand]
+            if not hasattr(cls, "unavailable_reason") or cls.unavailable_reason(device) is None:
+                return cls
+        return TorchBackend
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of auto, {', '.join(BACKENDS)}; got {name!r}")
+    cls = BACKENDS[name]
+    reason = cls.unavailable_reason(device) if hasattr(cls, "unavailable_reason") else None
+    if reason:
+        raise ValueError(f"attention_backend={name!r} is unavailable on this machine: {reason}")
+    return cls
+
+
+__all__ = ["AttentionBackend", "BACKENDS", "resolve_backend"]

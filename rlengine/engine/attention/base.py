@@ -1,0 +1,56 @@
+"""The attention-backend protocol: plan() once per step, attend() once per layer.
+
+attend() writes the step's K/V into the paged cache (slot_mapping), then attends:
+prefill steps attend causally within each new sequence (every prefill in rlengine starts at
+position 0: forked samples never prefill, preempted ones recompute from scratch), decode
+steps run the backend's paged-decode kernel over the block tables. Subclasses implement
+`decode()` and may override `plan()` to build per-step metadata outside the layer loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlengine import _ext
+from rlengine.engine.kv_cache import KVCache
+from rlengine.model.attention import PackedCausal
+from rlengine.types import ForwardBatch
+
+_CPP_STORE = _ext.has_op("store_kvcache")
+
+
+def store_kv(k_TKD, v_TKD, k_cache, v_cache, slot_mapping_T) -> None:
+    """Write K/V rows into the paged cache in place (C++ op on CPU when built)."""
+    if _CPP_STORE and k_cache.device.type == "cpu":
+        torch.ops.rlengine.store_kvcache(k_TKD, v_TKD, k_cache, v_cache, slot_mapping_T)
+        return
+    Hkv, D = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping_T, k_TKD.to(k_cache.dtype))
+    v_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping_T, v_TKD.to(v_cache.dtype))
+
+
+class AttentionBackend:
+    name = "base"
+
+    def __init__(self, kv_cache: KVCache, num_heads: int, head_dim: int, max_num_seqs: int):
+        self.kv = kv_cache
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.max_num_seqs = max_num_seqs
+        self.batch: ForwardBatch | None = None
+        self._prefill: PackedCausal | None = None
+
+    def plan(self, batch: ForwardBatch) -> None:
+        self.batch = batch
+        if batch.kind == "prefill":
+            self._prefill = PackedCausal(batch.qo_indptr, self.scale)
+
+    def attend(self, layer_id: int, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.kv.k[layer_id], self.kv.v[layer_id]
+        store_kv(k_TKD, v_TKD, k_cache, v_cache, self.batch.slot_mapping)
+        if self.batch.kind == "prefill":
+            return self._prefill.attend(layer_id, q_THD, k_TKD, v_TKD)
+        return self.decode(layer_id, q_THD, k_cache, v_cache)
+
+    def decode(self, layer_id: int, q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError

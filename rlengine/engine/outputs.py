@@ -1,0 +1,66 @@
+"""What generate() returns: vLLM-style RequestOutput / CompletionOutput plus the step trace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rlengine.engine.sequence import Sequence
+from rlengine.telemetry.records import StepRecord
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request."""
+
+    index: int                       # sample index within the request (0..n-1)
+    token_ids: list[int]             # generated tokens
+    logprobs: list[float]            # log_softmax(logits / T) of each generated token (full vocabulary)
+    finish_reason: str               # "stop" | "length" | "abort"
+    policy_versions: list[int]       # engine weight version that sampled each token
+    routing_ids: torch.Tensor | None = None  # [prompt + generated - 1, L_moe, K] expert ids when recorded
+
+    @property
+    def text_len(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+class GenerateResult(list):
+    """A list of RequestOutput (in prompt order) that also carries the step trace of the call."""
+
+    def __init__(self, outputs: list[RequestOutput], trace: list[StepRecord], stats: dict):
+        super().__init__(outputs)
+        self.trace = trace
+        self.stats = stats
+
+
+def completion_of(seq: Sequence) -> CompletionOutput:
+    routing = torch.cat(seq.routing_ids)[: len(seq) - 1] if seq.routing_ids else None
+    return CompletionOutput(index=seq.index, token_ids=seq.output_token_ids, logprobs=list(seq.logprobs),
+                            finish_reason=seq.finish_reason or "abort", policy_versions=list(seq.versions),
+                            routing_ids=routing)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Engine-side bookkeeping of one request."""
+
+    request_id: str
+    prompt: list[int]
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, [completion_of(s) for s in self.seqs], self.finished)

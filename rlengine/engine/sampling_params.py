@@ -1,0 +1,43 @@
+"""SamplingParams: how one request is decoded (vLLM's names and meanings).
+
+Log-prob definition used everywhere in rlengine (engine and learner): the log-prob of a
+sampled token is log_softmax(logits / temperature) over the FULL vocabulary, taken before
+top-k / top-p filtering; for greedy decoding (temperature 0) it is log_softmax(logits).
+Seeds: sample i of a request with seed s draws from a generator seeded with s + i, so a
+request with n = G and seed s produces exactly what G requests with n = 1 and seeds
+s, s+1, ..., s+G-1 produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, kw_only=True)
+class SamplingParams:
+    """Decoding parameters of one request; validated on construction."""
+
+    n: int = 1                                  # samples (a GRPO group); the prompt is prefilled once
+    temperature: float = 1.0                    # 0 = greedy
+    top_k: int = -1                             # -1 (or 0) = whole vocabulary
+    top_p: float = 1.0                          # nucleus mass in (0, 1]
+    max_tokens: int = 16                        # generated tokens at most
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False                    # keep going past the model's EOS ids
+    seed: int | None = None                     # per-request seed (sample i uses seed + i)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
+            raise ValueError(f"SamplingParams.top_k must be -1/0 (off) or >= 1, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
