@@ -41,6 +41,16 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    import importlib
+
+    from rlengine.benchmarks import BENCHMARKS
+
+    if args.name not in BENCHMARKS:
+        raise SystemExit(f"unknown benchmark {args.name!r}; choose from {', '.join(BENCHMARKS)}")
+    return importlib.import_module(f"rlengine.benchmarks.{args.name}").main(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlengine", description="Single-process RL engine for LLMs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -53,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="12+34=", help="prompt text (built-in tokenizer for presets)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.set_defaults(func=_cmd_demo)
+
+    from rlengine.benchmarks import BENCHMARKS
+
+    p = sub.add_parser("bench", help="run a benchmark: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()),
+                       description="\n".join(f"{k}: {v}" for k, v in BENCHMARKS.items()) +
+                       "\n`rlengine bench NAME --help` shows a benchmark's options.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", choices=list(BENCHMARKS), help="which benchmark")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 
