@@ -41,6 +41,37 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_train(args) -> int:
+    from importlib import resources
+    from pathlib import Path
+
+    from rlengine.rl.config import TrainConfig, load_config
+    from rlengine.rl.trainer import Trainer
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved = run_dir / "config.json"
+        if not saved.is_file():
+            raise SystemExit(f"--resume {run_dir}: no config.json there (not a run directory)")
+        import json
+
+        cfg = TrainConfig.from_dict(json.loads(saved.read_text()))
+        trainer = Trainer(cfg, resume=True)
+    else:
+        path = args.config
+        if path is None:
+            path = str(resources.files("rlengine") / "configs" / f"{args.algo}.toml")
+        cfg = load_config(path, args.overrides)
+        trainer = Trainer(cfg)
+    history = trainer.run()
+    js = [(r["N"], r["J"]) for r in history if r.get("J") is not None]
+    print("J against N (held-out accuracy):")
+    for n, j in js:
+        print(f"  N={n:6d}  J={j:.3f}")
+    print(f"run directory: {trainer.run_dir}")
+    return 0
+
+
 def _cmd_bench(args) -> int:
     import importlib
 
@@ -64,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16)
     p.set_defaults(func=_cmd_demo)
 
+    p = sub.add_parser("train", help="run GRPO/PPO (default: GRPO on a built-in task with the tiny preset)",
+                       description="Run an RL job. With no arguments: the embedded default (GRPO, tiny preset, "
+                       "built-in first-digit task, CPU if no GPU). Override any config field with dotted "
+                       "options, e.g. --train.b_train 256 --gen.b_gen 512.")
+    p.add_argument("--config", default=None, help="TOML config file (default: the bundled grpo/ppo config)")
+    p.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="which bundled config to use")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    p.set_defaults(func=_cmd_train)
+
     from rlengine.benchmarks import BENCHMARKS
 
     p = sub.add_parser("bench", help="run a benchmark: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()),
@@ -78,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "command", None) == "train":
+        args.overrides = unknown
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

@@ -90,9 +90,15 @@ class SparseMoeBlock(nn.Module):
         self.replay_ids: torch.Tensor | None = None   # [T, K] set by the caller for one forward
         self.record_ids = False
         self.last_ids: torch.Tensor | None = None      # [T, K] ids chosen in the last forward
+        self.last_disagreement: torch.Tensor | None = None  # replayed forwards: fraction of tokens re-routed
 
     def forward(self, x_TC: torch.Tensor) -> torch.Tensor:
-        weights_TK, ids_TK = route(self.gate(x_TC), self.top_k, self.norm_topk_prob, self.replay_ids)
+        logits_TE = self.gate(x_TC)
+        weights_TK, ids_TK = route(logits_TE, self.top_k, self.norm_topk_prob, self.replay_ids)
+        if self.replay_ids is not None:
+            # how often this forward's own top-k set differs from the replayed one
+            own = torch.topk(logits_TE.detach(), self.top_k, dim=-1).indices.sort(dim=-1).values
+            self.last_disagreement = (own != ids_TK.sort(dim=-1).values).any(dim=-1).float().mean()
         if self.record_ids:
             self.last_ids = ids_TK
         return moe_experts(x_TC, self.w13, self.w2, weights_TK, ids_TK, self.impl)

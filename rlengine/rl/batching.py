@@ -1,0 +1,104 @@
+"""TrainBatch: scored rollout groups packed into one variable-length token batch.
+
+Each response becomes one packed sequence: input = prompt + completion[:-1] (the final
+token is never an input), target = the next token at every position, loss mask = 1 on the
+positions that predict completion tokens. Behaviour log-probs from the engine and the
+advantages are laid on the same positions. Micro-batches are contiguous runs of whole
+sequences; every loss is normalised by the FULL batch's count (rlengine/rl/losses.py), so
+accumulating micro-batch gradients gives exactly the full-batch gradient.
+Dimension legend: T packed tokens, B sequences (= B_train responses), P prompts, G group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlengine.rl.advantages import grpo_advantages
+from rlengine.rl.rollout import RolloutGroup
+
+
+@dataclass(slots=True, kw_only=True)
+class TrainBatch:
+    """One optimizer update's worth of responses, packed."""
+
+    input_ids: torch.Tensor      # [T] int64
+    targets: torch.Tensor        # [T] int64 next token at each position (0 where masked)
+    loss_mask: torch.Tensor      # [T] float 1 on completion-predicting positions
+    old_logprobs: torch.Tensor   # [T] float behaviour log-probs (0 where masked)
+    advantages: torch.Tensor     # [T] float (GRPO: the response's advantage on each of its tokens)
+    rewards: torch.Tensor        # [B] float sequence reward
+    seq_ids: torch.Tensor        # [T] int64 sequence index of each token
+    cu_seqlens: list[int]        # [B+1] host
+    routing_ids: torch.Tensor | None = None  # [T, L_moe, K] recorded expert ids (replay) or None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    def micro_batches(self, size: int) -> list["TrainBatch"]:
+        """Contiguous micro-batches of `size` whole sequences (size <= 0: the batch itself)."""
+        if size <= 0 or size >= self.num_seqs:
+            return [self]
+        out = []
+        for s in range(0, self.num_seqs, size):
+            e = min(self.num_seqs, s + size)
+            a, b = self.cu_seqlens[s], self.cu_seqlens[e]
+            out.append(TrainBatch(
+                input_ids=self.input_ids[a:b], targets=self.targets[a:b], loss_mask=self.loss_mask[a:b],
+                old_logprobs=self.old_logprobs[a:b], advantages=self.advantages[a:b],
+                rewards=self.rewards[s:e], seq_ids=self.seq_ids[a:b] - s,
+                cu_seqlens=[c - a for c in self.cu_seqlens[s:e + 1]],
+                routing_ids=None if self.routing_ids is None else self.routing_ids[a:b]))
+        return out
+
+    def to(self, device) -> "TrainBatch":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return TrainBatch(input_ids=move(self.input_ids), targets=move(self.targets),
+                          loss_mask=move(self.loss_mask), old_logprobs=move(self.old_logprobs),
+                          advantages=move(self.advantages), rewards=move(self.rewards), seq_ids=move(self.seq_ids),
+                          cu_seqlens=self.cu_seqlens, routing_ids=move(self.routing_ids))
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
+         seq_advantages: list[float], rewards: list[float], routing: list | None = None) -> TrainBatch:
+    """Pack B responses. Raises ValueError for an empty completion or mismatched log-probs."""
+    ids, tgts, mask, old, adv, sid, cu = [], [], [], [], [], [], [0]
+    for b, (p, c, lp, a) in enumerate(zip(prompts, completions, logprobs, seq_advantages)):
+        if not c or len(lp) != len(c):
+            raise ValueError(f"response {b}: {len(c)} tokens with {len(lp)} log-probs (need equal, >= 1)")
+        seq = p + c
+        n_in = len(seq) - 1
+        ids.extend(seq[:-1])
+        tgts.extend(seq[1:])
+        pad = len(p) - 1
+        mask.extend([0.0] * pad + [1.0] * len(c))
+        old.extend([0.0] * pad + list(lp))
+        adv.extend([0.0] * pad + [a] * len(c))
+        sid.extend([b] * n_in)
+        cu.append(cu[-1] + n_in)
+    route = None
+    if routing:
+        route = torch.cat([r[: cu[i + 1] - cu[i]] for i, r in enumerate(routing)])
+    return TrainBatch(input_ids=torch.tensor(ids), targets=torch.tensor(tgts), loss_mask=torch.tensor(mask),
+                      old_logprobs=torch.tensor(old), advantages=torch.tensor(adv),
+                      rewards=torch.tensor(rewards, dtype=torch.float32), seq_ids=torch.tensor(sid), cu_seqlens=cu,
+                      routing_ids=route)
+
+
+def grpo_batch(groups: list[RolloutGroup], *, normalize_std: bool) -> TrainBatch:
+    """GRPO: group-relative advantages, one per response, broadcast over its tokens."""
+    rewards_PG = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+    adv_PG = grpo_advantages(rewards_PG, normalize_std=normalize_std)
+    prompts, comps, lps, advs, rews, routing = [], [], [], [], [], []
+    for g, adv_G in zip(groups, adv_PG.tolist()):
+        for i, c in enumerate(g.completions):
+            prompts.append(g.prompt_ids)
+            comps.append(c)
+            lps.append(g.logprobs[i])
+            advs.append(adv_G[i])
+            rews.append(g.rewards[i])
+            if g.routing_ids:
+                routing.append(g.routing_ids[i])
+    return pack(prompts, comps, lps, advs, rews, routing if len(routing) == len(comps) else None)

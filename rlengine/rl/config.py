@@ -1,0 +1,238 @@
+"""RL job configuration: plain dataclasses per section, TOML files and dotted overrides.
+
+    rlengine train --config grpo.toml --train.b_train 256 --gen.b_gen 512
+
+Every field is validated in __post_init__ with a message naming `section.field` and the
+allowed range. Unknown keys (in a file or an override) are errors, never silently ignored.
+B_train = P * G retained responses per optimizer update: set either train.prompts_per_step
+(P) or train.b_train (which must be divisible by G).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlengine.config import ConfigError
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(slots=True, kw_only=True)
+class ModelSection:
+    """Which model the job trains (a preset or a HF checkpoint directory)."""
+
+    name: str = "tiny"
+    dtype: str = "float32"
+    device: str = "auto"                 # auto = cuda if available else cpu
+    moe_impl: str = "ref"                # ref | triton | auto (triton on GPU)
+
+    def __post_init__(self):
+        _check(self.dtype in ("float32", "bfloat16", "float16"), f"model.dtype must be float32|bfloat16|float16, got {self.dtype!r}")
+        _check(self.moe_impl in ("ref", "triton", "auto"), f"model.moe_impl must be ref|triton|auto, got {self.moe_impl!r}")
+
+
+@dataclass(slots=True, kw_only=True)
+class TaskSection:
+    """Where prompts and rewards come from."""
+
+    name: str = "first-digit"            # built-in task name, or "jsonl"
+    path: str = ""                       # JSONL file for name = "jsonl": {"prompt": ..., "answer": ...} per line
+    eval_path: str = ""                  # optional held-out JSONL; else a split of `path`
+    reward: str = ""                     # reward registry name; "" = the task's own
+    num_train: int = 2000
+    num_eval: int = 128
+    seed: int = 1234
+
+    def __post_init__(self):
+        _check(self.num_train >= 1 and self.num_eval >= 1, "task.num_train and task.num_eval must be >= 1")
+
+
+@dataclass(slots=True, kw_only=True)
+class GenSection:
+    """The generator: B_gen and sampling."""
+
+    b_gen: int = 0                       # responses in flight; 0 = B_train (coupled)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 8
+    block_size: int = 16
+    num_kv_blocks: int = 0               # 0 = sized from memory
+    backend: str = "auto"
+    max_lag: int = 1                     # drop partial rollouts older than this many updates (async)
+    record_routing: bool = False         # MoE routing replay
+
+    def __post_init__(self):
+        _check(self.b_gen >= 0, f"gen.b_gen must be >= 0, got {self.b_gen}")
+        _check(self.temperature > 0, f"gen.temperature must be > 0 for RL sampling, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"gen.top_p must be in (0, 1], got {self.top_p}")
+        _check(self.max_tokens >= 1, f"gen.max_tokens must be >= 1, got {self.max_tokens}")
+        _check(self.max_lag >= 0, f"gen.max_lag must be >= 0, got {self.max_lag}")
+
+
+@dataclass(slots=True, kw_only=True)
+class TrainSection:
+    """The learner: algorithm, batch knobs, optimiser and loss settings."""
+
+    algo: str = "grpo"                   # grpo | ppo
+    group_size: int = 0                  # G; 0 = 8 for GRPO, 1 for PPO
+    prompts_per_step: int = 16           # P
+    b_train: int = 0                     # P*G; if set, P = b_train / G
+    updates: int = 60                    # optimizer updates
+    lr: float = 1e-3                     # eta0 at batch b0
+    b0: int = 0                          # reference batch of the LR rule; 0 = this run's B_train
+    lr_rule: str = "sqrt"                # sqrt | linear | none: eta = eta0 * (B/B0)^(1/2 | 1 | 0)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    micro_batch: int = 0                 # sequences per micro-batch; 0 = whole batch
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    agg: str = "token-mean"              # token-mean | seq-mean
+    normalize_std: bool = True
+    kl_coef: float = 0.0                 # k3 KL to a frozen reference; 0 = no reference model
+    entropy_coef: float = 0.0
+    dynamic_sampling: bool = True        # drop all-pass / all-fail groups (GRPO)
+    priority_sampling: bool = True       # weight prompts by estimated pass rate near 0.5
+    # PPO
+    critic_lr_mult: float = 10.0
+    critic_warmup: int = 0               # critic-only updates first; their responses are not counted in N
+    gamma: float = 1.0
+    lam: float = 0.95
+    vf_clip: float = 0.2
+    vf_coef: float = 1.0
+
+    def __post_init__(self):
+        _check(self.algo in ("grpo", "ppo"), f"train.algo must be grpo|ppo, got {self.algo!r}")
+        if self.group_size == 0:
+            self.group_size = 8 if self.algo == "grpo" else 1
+        _check(self.group_size >= 1, f"train.group_size must be >= 1, got {self.group_size}")
+        if self.b_train:
+            _check(self.b_train % self.group_size == 0,
+                   f"train.b_train ({self.b_train}) must be divisible by train.group_size G ({self.group_size})")
+            self.prompts_per_step = self.b_train // self.group_size
+        _check(self.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        self.b_train = self.prompts_per_step * self.group_size
+        _check(self.updates >= 1, f"train.updates must be >= 1, got {self.updates}")
+        _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        _check(self.lr_rule in ("sqrt", "linear", "none"), f"train.lr_rule must be sqrt|linear|none, got {self.lr_rule!r}")
+        _check(self.agg in ("token-mean", "seq-mean"), f"train.agg must be token-mean|seq-mean, got {self.agg!r}")
+        _check(0 <= self.clip_low < 1 and self.clip_high >= 0, "train.clip_low must be in [0, 1) and clip_high >= 0")
+        _check(self.micro_batch >= 0, f"train.micro_batch must be >= 0, got {self.micro_batch}")
+        _check(0 < self.gamma <= 1 and 0 <= self.lam <= 1, "train.gamma must be in (0, 1] and train.lam in [0, 1]")
+
+    @property
+    def lr_effective(self) -> float:
+        """eta = eta0 * (B_train / B0)^p with p = 1/2 (sqrt), 1 (linear) or 0 (none)."""
+        b0 = self.b0 or self.b_train
+        power = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}[self.lr_rule]
+        return self.lr * (self.b_train / b0) ** power
+
+
+@dataclass(slots=True, kw_only=True)
+class WarmStartSection:
+    """Optional supervised warm start (teaches the answer FORMAT only, with random answers)."""
+
+    steps: int = 0
+    lr: float = 3e-3
+    batch: int = 64
+
+
+@dataclass(slots=True, kw_only=True)
+class EvalSection:
+    every: int = 5                       # updates between evaluations (and at 0 and the end)
+    k: int = 1                           # mean@k samples per prompt
+    temperature: float = 0.0             # 0 = greedy
+
+
+@dataclass(slots=True, kw_only=True)
+class RunSection:
+    out_dir: str = "runs/default"
+    seed: int = 0
+    checkpoint_every: int = 0            # updates; 0 = only at the end
+    progress: bool = True
+
+
+@dataclass(slots=True, kw_only=True)
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    gen: GenSection = field(default_factory=GenSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    warmstart: WarmStartSection = field(default_factory=WarmStartSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def __post_init__(self):
+        b_gen = self.gen.b_gen or self.train.b_train
+        _check(b_gen >= self.train.group_size,
+               f"gen.b_gen ({b_gen}) must hold at least one group of G={self.train.group_size} responses")
+        self.gen.b_gen = b_gen
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - set(sections))
+        _check(not unknown, f"unknown config section(s): {', '.join(unknown)}; known: {', '.join(sections)}")
+        built = {}
+        for name in sections:
+            section_cls = _SECTION_TYPES[name]
+            values = dict(d.get(name, {}))
+            known = {f.name for f in dataclasses.fields(section_cls)}
+            bad = sorted(set(values) - known)
+            _check(not bad, f"unknown config key(s) {', '.join(f'{name}.{k}' for k in bad)}; "
+                            f"known in [{name}]: {', '.join(sorted(known))}")
+            if "betas" in values:
+                values["betas"] = tuple(values["betas"])
+            built[name] = section_cls(**values)
+        return cls(**built)
+
+
+_SECTION_TYPES = {"model": ModelSection, "task": TaskSection, "gen": GenSection, "train": TrainSection,
+                  "warmstart": WarmStartSection, "eval": EvalSection, "run": RunSection}
+
+
+def _parse_value(text: str):
+    """A command-line override value: TOML scalar syntax, bare words as strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """TOML file (optional) + dotted overrides ["--train.b_train", "256", "--gen.b_gen=512", ...]."""
+    data: dict = {}
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+    args = list(overrides or [])
+    i = 0
+    while i < len(args):
+        key = args[i]
+        _check(key.startswith("--") and "." in key, f"override {key!r} must look like --section.key VALUE")
+        key = key[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+        else:
+            _check(i + 1 < len(args), f"override --{key} needs a value")
+            i += 1
+            value = args[i]
+        section, name = key.split(".", 1)
+        data.setdefault(section, {})[name] = _parse_value(value)
+        i += 1
+    return TrainConfig.from_dict(data)

@@ -1,0 +1,177 @@
+"""Rollout collection: prompts -> engine -> scored groups, with dynamic sampling and partial rollouts.
+
+The collector keeps up to B_gen responses in flight in the engine (max_num_seqs). Each
+request is one prompt with n = G samples. Finished groups are scored by the task's reward;
+with dynamic sampling (DAPO), groups whose responses all pass or all fail are dropped and
+more prompts are sampled until B_train = P*G responses are retained. Asynchronous partial
+rollouts: when B_gen > B_train, requests still unfinished at an update boundary stay in the
+engine and continue under the new weights; each response records its policy lag (updates
+between its oldest token and the update that consumes it). Responses older than max_lag are
+aborted and counted.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from rlengine.engine import LLM, SamplingParams
+from rlengine.model.tokenizer import Tokenizer
+from rlengine.rl.tasks import Problem, Task
+
+
+@dataclass(slots=True)
+class RolloutGroup:
+    """G responses to one prompt, scored."""
+
+    problem_index: int                  # index in task.train
+    prompt_ids: list[int]
+    completions: list[list[int]]        # [G] generated token ids
+    logprobs: list[list[float]]         # [G] behaviour log-probs per generated token
+    rewards: list[float]                # [G]
+    versions: list[list[int]]           # [G] weight version that sampled each token
+    finish_reasons: list[str]
+    routing_ids: list = field(default_factory=list)   # [G] tensors [len-1, L_moe, K] or empty
+    reward_errors: int = 0
+
+    def lag(self, version: int) -> int:
+        """Policy lag: updates between the oldest token of the group and the consuming update."""
+        return version - min((min(v) for v in self.versions if v), default=version)
+
+
+class PrioritySampler:
+    """Samples prompt indices, weighting each by p(1-p) + floor for its estimated pass rate p.
+
+    p is the posterior mean of a Beta(1, 1) prior updated with every scored response, so new
+    prompts start at 0.5 (highest weight) and prompts that always pass or always fail fade.
+    """
+
+    def __init__(self, num_prompts: int, seed: int, enabled: bool = True, floor: float = 0.02):
+        self.passes = [0.0] * num_prompts
+        self.trials = [0] * num_prompts
+        self.enabled, self.floor = enabled, floor
+        self.rng = random.Random(seed)
+
+    def pass_rate(self, i: int) -> float:
+        return (self.passes[i] + 1.0) / (self.trials[i] + 2.0)
+
+    def sample(self) -> int:
+        if not self.enabled:
+            return self.rng.randrange(len(self.trials))
+        weights = [self.pass_rate(i) * (1 - self.pass_rate(i)) + self.floor for i in range(len(self.trials))]
+        return self.rng.choices(range(len(weights)), weights=weights)[0]
+
+    def update(self, i: int, rewards: list[float]) -> None:
+        self.passes[i] += sum(min(1.0, max(0.0, r)) for r in rewards)
+        self.trials[i] += len(rewards)
+
+    def state_dict(self) -> dict:
+        return {"passes": self.passes, "trials": self.trials, "rng": _rng_state(self.rng)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.passes, self.trials = list(d["passes"]), list(d["trials"])
+        self.rng.setstate(_rng_from(d["rng"]))
+
+
+def _rng_state(rng: random.Random) -> list:
+    version, state, gauss = rng.getstate()
+    return [version, list(state), gauss]
+
+
+def _rng_from(d: list) -> tuple:
+    return (d[0], tuple(d[1]), d[2])
+
+
+@dataclass(slots=True)
+class CollectStats:
+    groups_scored: int = 0
+    groups_dropped: int = 0
+    groups_stale: int = 0
+    reward_errors: int = 0
+    filter_fallback: bool = False        # dynamic sampling hit its budget and kept groups unfiltered
+
+    @property
+    def retained_fraction(self) -> float:
+        return (self.groups_scored - self.groups_dropped) / max(1, self.groups_scored)
+
+
+class RolloutCollector:
+    def __init__(self, llm: LLM, tokenizer: Tokenizer, task: Task, *, group_size: int, b_train: int, b_gen: int,
+                 params: SamplingParams, sampler: PrioritySampler, dynamic_sampling: bool, max_lag: int,
+                 max_filter_factor: int = 8):
+        self.llm, self.tok, self.task = llm, tokenizer, task
+        self.G, self.b_train, self.b_gen = group_size, b_train, b_gen
+        self.params = params
+        self.sampler = sampler
+        self.dynamic_sampling = dynamic_sampling
+        self.max_lag = max_lag
+        self.max_filter_factor = max_filter_factor
+        self.filtering = True
+        self.in_flight: dict[str, int] = {}          # request id -> problem index
+        self.ready: list[RolloutGroup] = []           # retained groups not yet consumed
+
+    @property
+    def async_mode(self) -> bool:
+        return self.b_gen > self.b_train
+
+    def _submit(self) -> None:
+        idx = self.sampler.sample()
+        prompt = self.tok.encode(self.task.train[idx].prompt)
+        rid = self.llm.add_request(prompt, self.params)
+        self.in_flight[rid] = idx
+
+    def collect(self, stats: CollectStats) -> list[RolloutGroup]:
+        """Step the engine until B_train responses (P groups) are retained; returns exactly P groups.
+
+        Dynamic sampling gives up filtering once max_filter_factor * P groups were scored in this
+        call (a policy that passes or fails everything would otherwise sample forever); the
+        remaining groups are then kept unfiltered and the fallback is counted.
+        """
+        need = self.b_train // self.G
+        scored_at_start = stats.groups_scored
+        while len(self.ready) < need:
+            if self.dynamic_sampling and stats.groups_scored - scored_at_start >= self.max_filter_factor * need:
+                self.filtering, stats.filter_fallback = False, True
+            # Coupled mode submits only what is still missing; async mode keeps B_gen in flight.
+            cap = self.b_gen // self.G if self.async_mode else need - len(self.ready)
+            while len(self.in_flight) < cap:
+                self._submit()
+            for out in self.llm.step():
+                self._score(out, stats)
+        batch, self.ready = self.ready[:need], self.ready[need:]
+        self.filtering = True
+        return batch
+
+    def _score(self, out, stats: CollectStats) -> None:
+        idx = self.in_flight.pop(out.request_id)
+        problem: Problem = self.task.train[idx]
+        rewards, errors = [], 0
+        for c in out.outputs:
+            try:
+                r = float(self.task.reward_fn(self.tok.decode(c.token_ids), problem.answer))
+                if not math.isfinite(r):
+                    raise ValueError(f"non-finite reward {r}")
+            except Exception:  # noqa: BLE001 - a user reward that raises must not stop the run
+                r, errors = 0.0, errors + 1
+            rewards.append(r)
+        stats.groups_scored += 1
+        stats.reward_errors += errors
+        self.sampler.update(idx, rewards)
+        group = RolloutGroup(idx, out.prompt_token_ids, [c.token_ids for c in out.outputs],
+                             [c.logprobs for c in out.outputs], rewards, [c.policy_versions for c in out.outputs],
+                             [c.finish_reason for c in out.outputs],
+                             [c.routing_ids for c in out.outputs if c.routing_ids is not None], errors)
+        if self.async_mode and group.lag(self.llm.weight_version) > self.max_lag:
+            stats.groups_stale += 1
+            return
+        if self.filtering and self.dynamic_sampling and self.G > 1 and len(set(rewards)) == 1:
+            stats.groups_dropped += 1
+            return
+        self.ready.append(group)
+
+    def drain(self) -> None:
+        """Abort everything in flight (checkpoint boundaries in async mode, shutdown)."""
+        for rid in list(self.in_flight):
+            self.llm.abort_request(rid)
+        self.in_flight.clear()

@@ -1,0 +1,136 @@
+"""Tasks: prompts with verifiable answers, built-in (procedural) or from JSONL.
+
+A Task holds a train split and a held-out eval split of Problems (prompt text, answer text)
+and a reward function. Built-in tasks use the tiny built-in tokenizer's alphabet:
+  first-digit  "5830271694:" -> "5" one-token answers; the format warm start teaches "answer
+  last-digit   "5830271694:" -> "4" with some digit of the prompt" (about 20% correct), RL
+                                     has to find the right one
+  addition     "12+34=" -> "46"  (multi-digit arithmetic; harder, for longer runs)
+User data: JSONL with one {"prompt": str, "answer": str} object per line; a malformed row is
+an error naming the file and line number.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Callable
+from pathlib import Path
+
+from rlengine.rl.rewards import RewardFn, get_reward
+
+
+@dataclass(slots=True, frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+@dataclass(slots=True)
+class Task:
+    name: str
+    train: list[Problem]
+    eval: list[Problem]
+    reward_fn: RewardFn
+    answer_alphabet: str = "0123456789"   # what the format warm start draws random answers from
+    answer_len: int = 1
+    # Warm-start answer for a problem, independent of the task's rule (default: random alphabet string).
+    format_answer: Callable[[Problem, random.Random], str] | None = None
+
+    def warmstart_answer(self, problem: Problem, rng: random.Random) -> str:
+        if self.format_answer is not None:
+            return self.format_answer(problem, rng)
+        return "".join(rng.choice(self.answer_alphabet) for _ in range(self.answer_len))
+
+
+def _random_prompt_digit(problem: Problem, rng: random.Random) -> str:
+    """A digit of the prompt at a uniformly random position: format + "copy some digit", not the rule."""
+    return rng.choice([ch for ch in problem.prompt if ch.isdigit()])
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing or has a malformed row."""
+
+
+def _split(problems: list[Problem], num_eval: int, seed: int) -> tuple[list[Problem], list[Problem]]:
+    rng = random.Random(seed)
+    problems = list(problems)
+    rng.shuffle(problems)
+    if len(problems) <= num_eval:
+        raise DatasetError(f"need more than num_eval={num_eval} problems to hold out an eval split, "
+                           f"got {len(problems)}")
+    return problems[num_eval:], problems[:num_eval]
+
+
+def _digit_task(name: str, position: int, num_train: int, num_eval: int, seed: int, digits: int) -> Task:
+    rng = random.Random(seed)
+    numbers = rng.sample(range(10 ** (digits - 1), 10 ** digits), num_train + num_eval)
+    problems = [Problem(f"{n}:", str(n)[position]) for n in numbers]
+    train, held = _split(problems, num_eval, seed)
+    return Task(name, train, held, get_reward("exact"), format_answer=_random_prompt_digit)
+
+
+def first_digit_task(num_train: int, num_eval: int, seed: int, digits: int = 10) -> Task:
+    return _digit_task("first-digit", 0, num_train, num_eval, seed, digits)
+
+
+def last_digit_task(num_train: int, num_eval: int, seed: int, digits: int = 10) -> Task:
+    return _digit_task("last-digit", -1, num_train, num_eval, seed, digits)
+
+
+def addition_task(num_train: int, num_eval: int, seed: int, digits: int = 2) -> Task:
+    rng = random.Random(seed)
+    seen, problems = set(), []
+    while len(problems) < num_train + num_eval:
+        a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
+        if (a, b) not in seen:
+            seen.add((a, b))
+            problems.append(Problem(f"{a}+{b}=", str(a + b)))
+    train, held = _split(problems, num_eval, seed)
+    return Task("addition", train, held, get_reward("exact"), answer_len=digits + 1)
+
+
+def read_jsonl(path: str | Path) -> list[Problem]:
+    """Problems from JSONL; raises DatasetError naming the file and line of any malformed row."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: dataset file not found")
+    problems = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "answer" not in row:
+            raise DatasetError(f"{path}:{lineno}: each row must be an object with a string 'prompt' and an 'answer'")
+        problems.append(Problem(row["prompt"], str(row["answer"])))
+    if not problems:
+        raise DatasetError(f"{path}: no rows")
+    return problems
+
+
+def build_task(name: str, *, path: str = "", eval_path: str = "", reward: str = "", num_train: int = 2000,
+               num_eval: int = 128, seed: int = 1234) -> Task:
+    if name == "first-digit":
+        task = first_digit_task(num_train, num_eval, seed)
+    elif name == "last-digit":
+        task = last_digit_task(num_train, num_eval, seed)
+    elif name == "addition":
+        task = addition_task(num_train, num_eval, seed)
+    elif name == "jsonl":
+        if not path:
+            raise DatasetError("task.name = 'jsonl' needs task.path")
+        problems = read_jsonl(path)
+        if eval_path:
+            train, held = problems, read_jsonl(eval_path)
+        else:
+            train, held = _split(problems, min(num_eval, max(1, len(problems) // 5)), seed)
+        task = Task("jsonl", train, held, get_reward(reward or "math"))
+    else:
+        raise KeyError(f"unknown task {name!r}; built-in: first-digit, last-digit, addition, or jsonl")
+    if reward:
+        task.reward_fn = get_reward(reward)
+    return task

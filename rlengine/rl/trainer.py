@@ -1,0 +1,209 @@
+"""Trainer: the RL loop of `rlengine train` — collect, update, evaluate, record, checkpoint.
+
+One process, one model: the engine (LLM) decodes with the learner's parameters, and an
+optimizer step is visible at the next decode step with no copy. Each update boundary
+appends one line to RUN_DIR/metrics.jsonl: N (retained training responses, excluding
+critic warm-up), J (held-out mean@k when evaluated), rewards, retained fraction, t_gen,
+t_train, q_gen, q, grad norms, clip fraction, entropy, KL, the generator-vs-learner
+log-prob difference, policy lag and the B_act distribution of the boundary's decode steps.
+Evaluation uses a second LLM over the SAME module (its own small KV cache), so in-flight
+partial rollouts of the training engine are never disturbed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from rlengine.config import preset
+from rlengine.engine import LLM, SamplingParams
+from rlengine.model.loader import load_pretrained
+from rlengine.model.qwen3 import Qwen3ForCausalLM
+from rlengine.model.tokenizer import Tokenizer
+from rlengine.rl.batching import grpo_batch, pack
+from rlengine.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlengine.rl.config import TrainConfig
+from rlengine.rl.learner import Learner
+from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector
+from rlengine.rl.tasks import build_task
+from rlengine.rl.warmstart import format_warmstart
+from rlengine.telemetry.records import build_boundary_record
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _build_model(cfg: TrainConfig) -> tuple[Qwen3ForCausalLM, Tokenizer]:
+    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    moe_impl = cfg.model.moe_impl if cfg.model.moe_impl != "auto" else ("triton" if device == "cuda" else "ref")
+    dtype = DTYPES[cfg.model.dtype]
+    if Path(cfg.model.name).is_dir():
+        model = load_pretrained(cfg.model.name, dtype=dtype, device=device, moe_impl=moe_impl)
+        tok_file = Path(cfg.model.name) / "tokenizer.json"
+        tok = Tokenizer.from_file(tok_file) if tok_file.exists() else Tokenizer.builtin()
+    else:
+        model = Qwen3ForCausalLM(preset(cfg.model.name), moe_impl=moe_impl, device=device, dtype=dtype,
+                                 seed=cfg.run.seed)
+        tok = Tokenizer.builtin()
+    if tok.eos_token_id is None:
+        raise ValueError("the tokenizer has no EOS token; set one so responses can end")
+    model.config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.out_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.run.seed)
+        random.seed(cfg.run.seed)
+        self.model, self.tok = _build_model(cfg)
+        self.task = build_task(cfg.task.name, path=cfg.task.path, eval_path=cfg.task.eval_path,
+                               reward=cfg.task.reward, num_train=cfg.task.num_train, num_eval=cfg.task.num_eval,
+                               seed=cfg.task.seed)
+        g, t = cfg.gen, cfg.train
+        max_len = max(len(self.tok.encode(p.prompt)) for p in self.task.train + self.task.eval) + g.max_tokens + 1
+        common = dict(block_size=g.block_size, max_model_len=min(max_len, self.model.config.max_position_embeddings),
+                      attention_backend=g.backend)
+        self.llm = LLM(self.model, max_num_seqs=g.b_gen, num_kv_blocks=g.num_kv_blocks or None, seed=cfg.run.seed,
+                       record_routing=g.record_routing, **common)
+        self.eval_llm = LLM(self.model, max_num_seqs=min(256, cfg.task.num_eval * cfg.eval.k), seed=cfg.run.seed + 1,
+                            **common)
+        self.learner = Learner(self.model, t, temperature=g.temperature, replay_routing=g.record_routing)
+        self.sampler = PrioritySampler(len(self.task.train), cfg.run.seed, enabled=t.priority_sampling)
+        params = SamplingParams(n=t.group_size, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                max_tokens=g.max_tokens)
+        self.collector = RolloutCollector(self.llm, self.tok, self.task, group_size=t.group_size, b_train=t.b_train,
+                                          b_gen=g.b_gen, params=params, sampler=self.sampler,
+                                          dynamic_sampling=t.dynamic_sampling and t.algo == "grpo",
+                                          max_lag=g.max_lag)
+        self.update, self.N = 0, 0
+        self.history: list[dict] = []
+        if resume:
+            self._resume()
+        else:
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+            (self.run_dir / "metrics.jsonl").write_text("")
+            w = cfg.warmstart
+            self.warmstart_losses = format_warmstart(self.model, self.tok, self.task, steps=w.steps, lr=w.lr,
+                                                     batch=w.batch, seed=cfg.run.seed)
+
+    # ---- evaluation --------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        """J: mean reward over the held-out split, k samples per prompt (mean@k)."""
+        e = self.cfg.eval
+        prompts = [self.tok.encode(p.prompt) for p in self.task.eval]
+        outs = self.eval_llm.generate(prompts, SamplingParams(n=e.k, temperature=e.temperature, seed=0,
+                                                              max_tokens=self.cfg.gen.max_tokens))
+        total = 0.0
+        for problem, out in zip(self.task.eval, outs):
+            for c in out.outputs:
+                try:
+                    total += float(self.task.reward_fn(self.tok.decode(c.token_ids), problem.answer))
+                except Exception:  # noqa: BLE001 - a failing reward scores 0 in evaluation too
+                    pass
+        return total / (len(prompts) * e.k)
+
+    # ---- one update --------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        stats = CollectStats()
+        trace_start = len(self.llm.trace)
+        preempt0, recompute0 = self.llm.scheduler.num_preemptions, self.llm.scheduler.num_recomputed_tokens
+        t0 = time.perf_counter()
+        groups = self.collector.collect(stats)
+        t_gen = time.perf_counter() - t0
+        if t.algo == "grpo":
+            batch = grpo_batch(groups, normalize_std=t.normalize_std)
+        else:
+            batch = pack([g.prompt_ids for g in groups], [g.completions[0] for g in groups],
+                         [g.logprobs[0] for g in groups], [0.0] * len(groups), [g.rewards[0] for g in groups],
+                         [g.routing_ids[0] for g in groups] if all(g.routing_ids for g in groups) else None)
+        batch = batch.to(self.model.device)
+        critic_only = t.algo == "ppo" and self.update < t.critic_warmup
+        t1 = time.perf_counter()
+        m = self.learner.step(batch, critic_only=critic_only)
+        t_train = time.perf_counter() - t1
+        if not m["skipped"] and not critic_only:
+            self.llm.weight_version += 1
+        if not critic_only:
+            self.N += t.b_train
+        self.update += 1
+        boundary = build_boundary_record(self.llm.trace[trace_start:], responses=t.b_train, t_gen=t_gen,
+                                         t_train=t_train,
+                                         preemptions=self.llm.scheduler.num_preemptions - preempt0,
+                                         recomputed_tokens=self.llm.scheduler.num_recomputed_tokens - recompute0)
+        rewards = batch.rewards
+        lags = [g.lag(self.llm.weight_version - (0 if m["skipped"] or critic_only else 1)) for g in groups]
+        record = {
+            "update": self.update, "N": self.N, "critic_only": critic_only, "skipped": m["skipped"],
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+            "retained_fraction": stats.retained_fraction, "groups_dropped": stats.groups_dropped,
+            "stale_dropped": stats.groups_stale, "reward_errors": stats.reward_errors,
+            "filter_fallback": stats.filter_fallback,
+            "t_gen": t_gen, "t_train": t_train, "q_gen": t.b_train / t_gen, "q": t.b_train / (t_gen + t_train),
+            "actor_grad_norm": m["actor_grad_norm"], "critic_grad_norm": m["critic_grad_norm"],
+            "loss": m["loss"], "value_loss": m["value_loss"], "clip_frac": m["clip_frac"],
+            "approx_kl": m["approx_kl"], "kl_ref": m["kl_ref"], "entropy": m["entropy"],
+            "logprob_diff": m["logprob_diff"], "routing_disagreement": m["routing_disagreement"],
+            "policy_lag_mean": sum(lags) / len(lags), "policy_lag_max": max(lags),
+            "response_len_mean": float(batch.loss_mask.sum()) / batch.num_seqs, "lr": self.learner.opt.param_groups[0]["lr"],
+            "b_act_mean": boundary.b_act.mean if boundary.b_act else None,
+            "preemptions": boundary.preemptions,
+        }
+        if m["skipped"]:
+            print(f"update {self.update}: non-finite loss or gradient, update skipped (weights unchanged)")
+        return record
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        cfg = self.cfg
+        if self.update == 0:
+            self._log({"update": 0, "N": 0, "J": self.evaluate()})
+        from rlengine.rl.progress import Progress
+
+        with Progress(cfg.train.updates, start=self.update, enabled=cfg.run.progress) as bar:
+            while self.update < cfg.train.updates:
+                record = self.train_step()
+                if self.update % cfg.eval.every == 0 or self.update == cfg.train.updates:
+                    record["J"] = self.evaluate()
+                self._log(record)
+                bar.advance(record)
+                if cfg.run.checkpoint_every and self.update % cfg.run.checkpoint_every == 0:
+                    self.checkpoint()
+        self.checkpoint()
+        return self.history
+
+    def _log(self, record: dict) -> None:
+        self.history.append(record)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def checkpoint(self) -> Path:
+        self.collector.drain()  # async in-flight rollouts are not saved; they are regenerated after resume
+        state = {"update": self.update, "N": self.N, "weight_version": self.llm.weight_version,
+                 "sampler": self.sampler.state_dict(),
+                 "torch_rng": torch.get_rng_state().tolist(),
+                 "engine_rng": self.llm.runner.sampler.generator.get_state().tolist(),
+                 "ready": len(self.collector.ready)}
+        self.collector.ready.clear()
+        return save_checkpoint(self.run_dir, self.update, model=self.model, learner=self.learner, state=state)
+
+    def _resume(self) -> None:
+        path = latest_checkpoint(self.run_dir)
+        state = load_checkpoint(path, model=self.model, learner=self.learner)
+        self.update, self.N = state["update"], state["N"]
+        self.llm.weight_version = state["weight_version"]
+        self.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        self.llm.runner.sampler.generator.set_state(torch.tensor(state["engine_rng"], dtype=torch.uint8))
+        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        kept = [ln for ln in lines if ln and json.loads(ln)["update"] <= self.update]
+        (self.run_dir / "metrics.jsonl").write_text("".join(ln + "\n" for ln in kept))
+        self.history = [json.loads(ln) for ln in kept]
+        self.warmstart_losses = []
