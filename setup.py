@@ -52,4 +52,5 @@ def _extensions():
 
 
 ext_modules, cmdclass = _extensions()
-setup(packages=packages, package_dir=package_dir, ext_modules=ext_modules, cmdclass=cmdclass)
+setup(packages=packages, package_dir=package_dir, package_data={"rlengine": ["configs/*.toml"]},
+      ext_modules=ext_modules, cmdclass=cmdclass)

@@ -45,7 +45,7 @@ def _cmd_train(args) -> int:
     from importlib import resources
     from pathlib import Path
 
-    from rlengine.rl.config import TrainConfig, load_config
+    from rlengine.rl.config import load_config
     from rlengine.rl.trainer import Trainer
 
     if args.resume:
@@ -55,7 +55,8 @@ def _cmd_train(args) -> int:
             raise SystemExit(f"--resume {run_dir}: no config.json there (not a run directory)")
         import json
 
-        cfg = TrainConfig.from_dict(json.loads(saved.read_text()))
+        # the run's own config; overrides may extend it (e.g. --train.updates 200)
+        cfg = load_config(None, args.overrides, base=json.loads(saved.read_text()))
         trainer = Trainer(cfg, resume=True)
     else:
         path = args.config

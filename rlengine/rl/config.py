@@ -209,9 +209,11 @@ def _parse_value(text: str):
         return text
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """TOML file (optional) + dotted overrides ["--train.b_train", "256", "--gen.b_gen=512", ...]."""
-    data: dict = {}
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> TrainConfig:
+    """TOML file (or a `base` dict, e.g. a run's saved config) + dotted overrides
+    ["--train.b_train", "256", "--gen.b_gen=512", ...]."""
+    data: dict = {k: dict(v) for k, v in (base or {}).items()}
     if path:
         path = Path(path)
         if not path.is_file():

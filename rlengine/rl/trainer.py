@@ -160,14 +160,16 @@ class Trainer:
         return record
 
     # ---- the loop -----------------------------------------------------------------------------
-    def run(self) -> list[dict]:
+    def run(self, stop_after: int | None = None) -> list[dict]:
+        """Train until train.updates (or `stop_after` updates, for tests); checkpoint at the end."""
         cfg = self.cfg
+        last = min(cfg.train.updates, stop_after) if stop_after else cfg.train.updates
         if self.update == 0:
             self._log({"update": 0, "N": 0, "J": self.evaluate()})
         from rlengine.rl.progress import Progress
 
         with Progress(cfg.train.updates, start=self.update, enabled=cfg.run.progress) as bar:
-            while self.update < cfg.train.updates:
+            while self.update < last:
                 record = self.train_step()
                 if self.update % cfg.eval.every == 0 or self.update == cfg.train.updates:
                     record["J"] = self.evaluate()
