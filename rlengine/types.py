@@ -25,13 +25,12 @@ class ForwardBatch:
     kv_indices: torch.Tensor        # [kv_indptr[-1]] int32 block ids
     kv_last_page_len: torch.Tensor  # [B] int32 tokens in each sequence's last page, 1..P
     context_lens: list[int]         # [B] host: tokens attended to (including this step's)
-    logits_indices: torch.Tensor    # [B] int64 row of each sequence's last token in T
+    logits_indices: torch.Tensor | None  # [B] int64 row of each sequence's last token in T; None: all rows (decode)
+    max_num_pages: int              # host: the most pages any sequence in the batch uses
 
     @property
     def batch_size(self) -> int:
         return len(self.context_lens)
-
-    max_num_pages: int              # host: the most pages any sequence in the batch uses
 
     @property
     def num_tokens(self) -> int:

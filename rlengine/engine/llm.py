@@ -14,6 +14,7 @@ engine.step() is the usual three lines: schedule, run, postprocess.
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 
 import torch
@@ -54,6 +55,21 @@ def _build_model(model, dtype, device, moe_impl) -> Qwen3ForCausalLM:
 
         return load_pretrained(model, dtype=dtype or torch.float32, device=device, moe_impl=moe_impl)
     return Qwen3ForCausalLM(preset(str(model)), moe_impl=moe_impl, device=device, dtype=dtype or torch.float32)
+
+
+def _token_ids(prompt, where: str) -> list[int]:
+    """A prompt as a list of Python ints (lists, tuples, 1-D int tensors, numpy ints accepted)."""
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist()
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
+        raise TypeError(f"{where}: token ids must be integers (a list[int]), got a {type(prompt).__name__}")
+    ids = []
+    for t in prompt:
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"{where}: token ids must be integers, got {type(t).__name__} {t!r}") from None
+    return ids
 
 
 class LLM:
@@ -125,7 +141,7 @@ class LLM:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"{where}: prompt of {len(prompt)} tokens leaves no room to generate "
                              f"(max_model_len={self.max_model_len})")
-        bad = [t for t in prompt if not 0 <= int(t) < self.config.vocab_size]
+        bad = [t for t in prompt if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"{where}: token ids outside [0, vocab_size={self.config.vocab_size}): {bad[:5]}")
         if params.n > self.max_num_seqs:
@@ -142,7 +158,7 @@ class LLM:
         """Queue one request (n samples); raises ValueError for bad input without touching other requests."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_ids))
-        prompt = [int(t) for t in prompt_token_ids]
+        prompt = _token_ids(prompt_token_ids, f"request {request_id}")
         self._validate(prompt, params, f"request {request_id}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -166,18 +182,25 @@ class LLM:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished in it."""
+        """Run one engine step; returns the requests that finished in it.
+
+        The step's record times all of it: schedule, copy-on-write, forward + sampling (which
+        ends with a host read of the tokens, so the device is synced) and postprocess.
+        """
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        t0 = time.perf_counter()
         self.kv_cache.copy_blocks(batch.copies)
         seqs, tokens, logprobs = self.runner.run(batch)
-        seconds = time.perf_counter() - t0  # run() ends with a host read of the sampled tokens: synced
-        prefilled = len(seqs) if batch.kind == "prefill" else 0  # forked siblings sample here too
-        self.trace.append(StepRecord(batch.kind, len(batch.seqs), len(batch.seqs) if batch.kind == "decode"
-                                     else sum(len(s) for s in batch.seqs), seconds, prefilled))
-        return self._postprocess(batch, seqs, tokens, logprobs)
+        prefill = batch.kind == "prefill"
+        b_act = len(batch.seqs)
+        num_tokens = sum(len(s) for s in batch.seqs) if prefill else b_act
+        outputs = self._postprocess(batch, seqs, tokens, logprobs)
+        # forked siblings sample from their leader's prefill too
+        self.trace.append(StepRecord(batch.kind, b_act, num_tokens, time.perf_counter() - t0,
+                                     len(seqs) if prefill else 0))
+        return outputs
 
     def _postprocess(self, batch, seqs, tokens, logprobs) -> list[RequestOutput]:
         if batch.kind == "prefill":
@@ -223,7 +246,7 @@ class LLM:
         if len(plist) != len(prompt_token_ids):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(prompt_token_ids)} prompts")
         for i, (prompt, p) in enumerate(zip(prompt_token_ids, plist)):
-            self._validate([int(t) for t in prompt], p, f"prompt {i}")
+            self._validate(_token_ids(prompt, f"prompt {i}"), p, f"prompt {i}")
         trace_start, preempt_start = len(self.trace), self.scheduler.num_preemptions
         recompute_start = self.scheduler.num_recomputed_tokens
         ids = [self.add_request(prompt, p) for prompt, p in zip(prompt_token_ids, plist)]

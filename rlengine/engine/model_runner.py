@@ -30,42 +30,45 @@ class ModelRunner:
         self.moe_blocks = model.moe_blocks()
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
+        """Host-side step metadata -> one ForwardBatch on the device.
+
+        Built with plain Python lists in one pass over the sequences, then packed into two
+        host tensors (int64: ids, positions, slots, logits rows; int32: page tables) whose
+        views are the batch's fields: two tensor builds and two device copies per step.
+        """
         P = self.block_size
-        ids, positions, qo_indptr, logits_idx = [], [], [0], []
+        ids, positions, slots, qo_indptr = [], [], [], [0]
         indptr, indices, last_len, ctx = [0], [], [], []
+        decode = batch.kind == "decode"
         for seq in batch.seqs:
             n = len(seq)
-            if batch.kind == "prefill":
-                ids.extend(seq.token_ids)
-                positions.extend(range(n))
-            else:
+            table = seq.block_table
+            if decode:
                 ids.append(seq.token_ids[-1])
                 positions.append(n - 1)
+                slots.append(table[(n - 1) // P] * P + (n - 1) % P)
+            else:
+                ids.extend(seq.token_ids)
+                positions.extend(range(n))
+                slots.extend(table[pos // P] * P + pos % P for pos in range(n))
             qo_indptr.append(len(ids))
-            logits_idx.append(len(ids) - 1)
-            pages = -(-n // P)
-            indices.extend(seq.block_table[:pages])
+            pages = (n + P - 1) // P
+            indices.extend(table[:pages])
             indptr.append(len(indices))
             last_len.append(n - (pages - 1) * P)
             ctx.append(n)
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        if batch.kind == "prefill":
-            # slot of every position: block_table[pos // P] * P + pos % P, per sequence
-            tables = torch.cat([torch.tensor(s.block_table, dtype=torch.int64)[torch.arange(len(s)) // P]
-                                for s in batch.seqs])
-            slots = tables * P + pos_t % P
-        else:
-            slots = torch.tensor([s.block_table[(len(s) - 1) // P] * P + (len(s) - 1) % P for s in batch.seqs],
-                                 dtype=torch.int64)
-        dev = self.device
-        to = lambda x, dt: torch.tensor(x, dtype=dt).to(dev, non_blocking=True)  # noqa: E731
+        T, B = len(ids), len(ctx)
+        logits_rows = qo_indptr[1:] if not decode else []  # decode: every row is a last token
+        i64 = torch.tensor(ids + positions + slots + [i - 1 for i in logits_rows], dtype=torch.int64)
+        i32 = torch.tensor(indptr + last_len + indices, dtype=torch.int32)
+        if self.device.type != "cpu":
+            i64, i32 = i64.to(self.device, non_blocking=True), i32.to(self.device, non_blocking=True)
         return ForwardBatch(
-            kind=batch.kind, input_ids=to(ids, torch.int64), positions=pos_t.to(dev, non_blocking=True),
-            slot_mapping=slots.to(dev, non_blocking=True), qo_indptr=qo_indptr,
-            kv_indptr=to(indptr, torch.int32), kv_indices=to(indices, torch.int32),
-            kv_last_page_len=to(last_len, torch.int32), context_lens=ctx,
-            logits_indices=to(logits_idx, torch.int64), max_num_pages=max(indptr[i + 1] - indptr[i]
-                                                                          for i in range(len(ctx))),
+            kind=batch.kind, input_ids=i64[:T], positions=i64[T:2 * T], slot_mapping=i64[2 * T:3 * T],
+            qo_indptr=qo_indptr, kv_indptr=i32[:B + 1], kv_indices=i32[2 * B + 1:],
+            kv_last_page_len=i32[B + 1:2 * B + 1], context_lens=ctx,
+            logits_indices=i64[3 * T:] if not decode else None,
+            max_num_pages=max(b - a for a, b in zip(indptr, indptr[1:])),
         )
 
     @torch.inference_mode()
@@ -76,12 +79,16 @@ class ModelRunner:
         for block in self.moe_blocks:
             block.record_ids = self.record_routing
         hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend)
-        logits_BV = self.model.compute_logits(hidden_TC[fb.logits_indices])
+        if fb.logits_indices is not None:
+            hidden_TC = hidden_TC[fb.logits_indices]
+        logits_BV = self.model.compute_logits(hidden_TC)
         if self.record_routing:
             self._store_routing(batch, fb)
+        if batch.kind == "decode":
+            return batch.seqs, *self.sampler(logits_BV, batch.seqs)
         rows, seqs = [], []
         for i, seq in enumerate(batch.seqs):
-            group = [seq] + (seq.fork_children if batch.kind == "prefill" else [])
+            group = [seq] + seq.fork_children
             rows.extend([i] * len(group))
             seqs.extend(group)
         if len(rows) != len(batch.seqs):

@@ -51,9 +51,10 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch:
         seqs, tokens = [], 0
+        in_flight = len(self.running)  # counts the siblings of leaders admitted in this step (forked after it)
         while self.waiting:
             seq = self.waiting[0]
-            if len(self.running) + seq.group_size > self.max_num_seqs:
+            if in_flight + seq.group_size > self.max_num_seqs:
                 break
             if tokens + len(seq) > self.max_num_batched_tokens or not self.bm.can_allocate(seq):
                 break
@@ -63,6 +64,7 @@ class Scheduler:
             self.running.append(seq)
             seqs.append(seq)
             tokens += len(seq)
+            in_flight += seq.group_size
         return ScheduledBatch("prefill", seqs)
 
     def _schedule_decode(self) -> ScheduledBatch:

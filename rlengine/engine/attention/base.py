@@ -20,8 +20,8 @@ _CPP_STORE = _ext.has_op("store_kvcache")
 
 
 def store_kv(k_TKD, v_TKD, k_cache, v_cache, slot_mapping_T) -> None:
-    """Write K/V rows into the paged cache in place (C++ op on CPU when built)."""
-    if _CPP_STORE and k_cache.device.type == "cpu":
+    """Write K/V rows [T, Hkv, D] into the paged cache at slot_mapping [T], in place (C++ op on CPU when built)."""
+    if _CPP_STORE and k_cache.is_cpu:
         torch.ops.rlengine.store_kvcache(k_TKD, v_TKD, k_cache, v_cache, slot_mapping_T)
         return
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
@@ -38,17 +38,16 @@ class AttentionBackend:
         self.scale = head_dim ** -0.5
         self.max_num_seqs = max_num_seqs
         self.batch: ForwardBatch | None = None
-        self._prefill: PackedCausal | None = None
+        self._prefill: PackedCausal | None = None  # set for prefill steps, None for decode steps
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
-        if batch.kind == "prefill":
-            self._prefill = PackedCausal(batch.qo_indptr, self.scale)
+        self._prefill = PackedCausal(batch.qo_indptr, self.scale) if batch.kind == "prefill" else None
 
     def attend(self, layer_id: int, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv.k[layer_id], self.kv.v[layer_id]
         store_kv(k_TKD, v_TKD, k_cache, v_cache, self.batch.slot_mapping)
-        if self.batch.kind == "prefill":
+        if self._prefill is not None:
             return self._prefill.attend(layer_id, q_THD, k_TKD, v_TKD)
         return self.decode(layer_id, q_THD, k_cache, v_cache)
 

@@ -23,9 +23,13 @@ class CppBackend(AttentionBackend):
         super().__init__(kv_cache, num_heads, head_dim, max_num_seqs)
         self.out = torch.empty(max_num_seqs, num_heads, head_dim, dtype=kv_cache.data.dtype)
 
+    def plan(self, batch) -> None:
+        super().plan(batch)
+        self.step_out = self.out[: batch.batch_size]  # sliced once per step, written by every layer
+
     def decode(self, layer_id, q_BHD, k_cache, v_cache):
         b = self.batch
-        out = self.out[: q_BHD.shape[0]]
-        torch.ops.rlengine.paged_decode(q_BHD.contiguous(), k_cache, v_cache, b.kv_indptr, b.kv_indices,
-                                        b.kv_last_page_len, self.scale, out)
-        return out
+        # q needs only a contiguous last dim (the op takes its other strides), which RoPE's output has
+        torch.ops.rlengine.paged_decode(q_BHD, k_cache, v_cache, b.kv_indptr, b.kv_indices, b.kv_last_page_len,
+                                        self.scale, self.step_out)
+        return self.step_out
