@@ -106,3 +106,20 @@ def test_embedded_default_job_learns(tmp_path, capsys):
     assert curve[0][1] < 0.30, curve
     assert max(j for _, j in curve) >= 0.90, curve
     assert "J against N" in capsys.readouterr().out
+
+
+def test_async_partial_rollouts_record_policy_lag(tmp_path):
+    """B_gen > B_train: unfinished responses continue under new weights and carry their lag."""
+    cfg = _cfg(tmp_path, "async", ["--gen.b_gen", "48", "--gen.max_lag", "2", "--train.updates", "4",
+                                   "--gen.max_tokens", "6"])
+    tr = Trainer(cfg)
+    assert tr.collector.async_mode
+    history = [r for r in tr.run() if r["update"] > 0]
+    lags = [r["policy_lag_max"] for r in history]
+    assert max(lags) >= 1 and max(lags) <= 2, lags
+    # with max_lag 0 every carried-over group is stale and dropped
+    cfg0 = _cfg(tmp_path, "async0", ["--gen.b_gen", "48", "--gen.max_lag", "0", "--train.updates", "3",
+                                     "--gen.max_tokens", "6"])
+    history0 = [r for r in Trainer(cfg0).run() if r["update"] > 0]
+    assert sum(r["stale_dropped"] for r in history0) > 0
+    assert all(r["policy_lag_max"] == 0 for r in history0)

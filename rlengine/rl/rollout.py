@@ -130,7 +130,10 @@ class RolloutCollector:
         """
         need = self.b_train // self.G
         scored_at_start = stats.groups_scored
-        while len(self.ready) < need:
+        while True:
+            self._drop_stale(stats)
+            if len(self.ready) >= need:
+                break
             if self.dynamic_sampling and stats.groups_scored - scored_at_start >= self.max_filter_factor * need:
                 self.filtering, stats.filter_fallback = False, True
             # Coupled mode submits only what is still missing; async mode keeps B_gen in flight.
@@ -142,6 +145,14 @@ class RolloutCollector:
         batch, self.ready = self.ready[:need], self.ready[need:]
         self.filtering = True
         return batch
+
+    def _drop_stale(self, stats: CollectStats) -> None:
+        """Retained groups wait in `ready` while the weights move on; drop those past max_lag."""
+        if not self.async_mode:
+            return
+        fresh = [g for g in self.ready if g.lag(self.llm.weight_version) <= self.max_lag]
+        stats.groups_stale += len(self.ready) - len(fresh)
+        self.ready = fresh
 
     def _score(self, out, stats: CollectStats) -> None:
         idx = self.in_flight.pop(out.request_id)
