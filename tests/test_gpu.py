@@ -1,0 +1,60 @@
+"""GPU tier: the Triton kernels compiled for a real device, and the engine/learner on CUDA.
+
+Deselected automatically without a CUDA device (conftest.py). Run them with
+tools/gpu_check.sh, which unsets the Triton interpreter and also runs the GPU benchmarks.
+"""
+
+import pytest
+import torch
+
+from rlengine import LLM, SamplingParams
+from rlengine.config import preset
+from rlengine.model.qwen3 import Qwen3ForCausalLM
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("gqa,ctx", [(1, 1), (4, 300), (8, 2049)])
+def test_triton_paged_decode_on_gpu(dtype, gqa, ctx):
+    from rlengine.kernels.paged_decode import paged_decode, paged_decode_ref
+
+    B, Hkv, D, P = 5, 2, 128, 16
+    pages = -(-ctx // P)
+    k_cache = torch.randn(B * pages + 3, P, Hkv, D, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(k_cache.shape[0], device="cuda")[: B * pages].int()
+    indptr = torch.arange(0, B * pages + 1, pages, device="cuda", dtype=torch.int32)
+    last = torch.full((B,), ctx - (pages - 1) * P, device="cuda", dtype=torch.int32)
+    q = torch.randn(B, Hkv * gqa, D, device="cuda", dtype=dtype)
+    out = paged_decode(q, k_cache, v_cache, indptr, perm, last, sm_scale=D ** -0.5, max_num_pages=pages)
+    ref = paged_decode_ref(q, k_cache, v_cache, indptr, perm, last, sm_scale=D ** -0.5)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fused_logprob_on_gpu():
+    from rlengine.kernels.fused_logprob import fused_logprob, fused_logprob_ref
+
+    T, C, V = 257, 256, 4099
+    h = torch.randn(T, C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(V, C, device="cuda", dtype=torch.bfloat16) * 0.05).requires_grad_()
+    tgt = torch.randint(0, V, (T,), device="cuda")
+    lp, ent = fused_logprob(h, w, tgt, return_entropy=True)
+    lp_r, ent_r = fused_logprob_ref(h, w, tgt, return_entropy=True)
+    torch.testing.assert_close(lp, lp_r, atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(ent, ent_r, atol=5e-2, rtol=5e-2)
+    g = torch.randn_like(lp)
+    gh, gw = torch.autograd.grad((lp * g).sum() + ent.sum(), (h, w))
+    gh_r, gw_r = torch.autograd.grad((lp_r * g).sum() + ent_r.sum(), (h, w))
+    torch.testing.assert_close(gh.float(), gh_r.float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(gw.float(), gw_r.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_engine_triton_backend_matches_torch_backend_on_gpu(name):
+    model = Qwen3ForCausalLM(preset(name), device="cuda", moe_impl="triton" if name == "tiny-moe" else "ref")
+    prompts = [torch.randint(3, 200, (n,)).tolist() for n in (1, 17, 64, 130)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    a = LLM(model, max_num_seqs=3, attention_backend="torch").generate(prompts, params)
+    b = LLM(model, max_num_seqs=3, attention_backend="triton").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

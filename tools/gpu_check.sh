@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One script for every GPU check: the gpu-marked tests (compiled Triton, no interpreter) and the
+# GPU benchmarks, sized to finish in under 8 minutes on one H100/H200. Results land in $OUT
+# (default bench/results/gpu) with the conditions; copy them into docs/RESULTS.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu}
+mkdir -p "$OUT"
+export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.limit,driver_version --format=csv | tee "$OUT/gpu.txt"
+pip install --no-build-isolation -q -e ".[test]" 2>&1 | tail -2
+timeout 180 python -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log"
+timeout 60 rlengine bench ceilings --device cuda --out "$OUT"
+timeout 90 python bench/bench_paged_decode.py --full --out "$OUT"
+timeout 120 python bench/bench_moe.py --out "$OUT"
+timeout 60 python bench/bench_logprob.py --out "$OUT"
+timeout 120 rlengine bench decode --model qwen3-0.6b --dtype bfloat16 --batches 1,8,64,256 --out "$OUT"
