@@ -14,7 +14,7 @@ from rlengine.rl.trainer import Trainer
 
 SMALL = ["--warmstart.steps", "5", "--train.updates", "4", "--train.prompts_per_step", "4", "--train.group_size",
          "4", "--eval.every", "2", "--task.num_eval", "8", "--task.num_train", "50", "--run.progress", "false"]
-TIMING = {"t_gen", "t_train", "q_gen", "q", "b_act_mean"}
+TIMING = {"t_gen", "t_train", "q_gen", "q", "b_act_mean", "b_act_p50", "b_act_p90", "b_act_frac_time_below"}
 
 
 def _cfg(tmp_path, name, extra=()):
@@ -61,6 +61,9 @@ def test_ppo_runs_with_critic_warmup(tmp_path):
     assert [r["critic_only"] for r in steps] == [True, True, False, False]
     assert [r["N"] for r in steps] == [0, 0, 4, 8]  # warm-up responses are not counted in N
     assert all(r["critic_grad_norm"] is not None for r in steps)
+    telemetry = json.loads((tmp_path / "ppo" / "telemetry.json").read_text())
+    if not torch.cuda.is_available():
+        assert telemetry["available"] is False and "unavailable" in telemetry["reason"]
 
 
 @pytest.mark.parametrize("overrides,match", [

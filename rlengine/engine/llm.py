@@ -111,6 +111,8 @@ class LLM:
         self.max_num_seqs, self.block_size = max_num_seqs, block_size
         self.eos_ids = set(cfg.eos_token_ids)
         self.weight_version = 0
+        # Optional phase listener (e.g. telemetry.NvmlSampler): set_phase(kind) per step, an attribute write.
+        self.phase_listener = None
         self.trace: list[StepRecord] = []
         self.requests: dict[str, RequestState] = {}
         self._request_ids = itertools.count()
@@ -191,6 +193,8 @@ class LLM:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        if self.phase_listener is not None:
+            self.phase_listener.set_phase(batch.kind)
         self.kv_cache.copy_blocks(batch.copies)
         seqs, tokens, logprobs = self.runner.run(batch)
         prefill = batch.kind == "prefill"

@@ -145,9 +145,16 @@ class Learner:
         sums["entropy"] /= ntok
         return sums
 
-    def step(self, batch: TrainBatch, *, critic_only: bool = False) -> dict:
-        """One full update: gradients, clipping, non-finite check, optimizer step(s). Returns metrics."""
+    def step(self, batch: TrainBatch, *, critic_only: bool = False, phases=None) -> dict:
+        """One full update: gradients, clipping, non-finite check, optimizer step(s). Returns metrics.
+
+        `phases` (optional, e.g. telemetry.NvmlSampler) gets set_phase("forward-backward" / "optimizer").
+        """
+        if phases is not None:
+            phases.set_phase("forward-backward")
         metrics = self.compute_grads(batch, critic_only=critic_only)
+        if phases is not None:
+            phases.set_phase("optimizer")
         actor_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         critic_norm = None
         if self.critic is not None:

@@ -12,6 +12,7 @@ partial rollouts of the training engine are never disturbed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -31,6 +32,7 @@ from rlengine.rl.learner import Learner
 from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector
 from rlengine.rl.tasks import build_task
 from rlengine.rl.warmstart import format_warmstart
+from rlengine.telemetry.nvml import NvmlSampler
 from rlengine.telemetry.records import build_boundary_record
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,6 +85,8 @@ class Trainer:
                                           max_lag=g.max_lag)
         self.update, self.N = 0, 0
         self.history: list[dict] = []
+        self.telemetry = NvmlSampler()        # says plainly when GPU telemetry is unavailable
+        self.llm.phase_listener = self.telemetry
         if resume:
             self._resume()
         else:
@@ -126,8 +130,11 @@ class Trainer:
         batch = batch.to(self.model.device)
         critic_only = t.algo == "ppo" and self.update < t.critic_warmup
         t1 = time.perf_counter()
-        m = self.learner.step(batch, critic_only=critic_only)
+        m = self.learner.step(batch, critic_only=critic_only, phases=self.telemetry)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
         t_train = time.perf_counter() - t1
+        self.telemetry.set_phase("idle")
         if not m["skipped"] and not critic_only:
             self.llm.weight_version += 1
         if not critic_only:
@@ -152,7 +159,8 @@ class Trainer:
             "logprob_diff": m["logprob_diff"], "routing_disagreement": m["routing_disagreement"],
             "policy_lag_mean": sum(lags) / len(lags), "policy_lag_max": max(lags),
             "response_len_mean": float(batch.loss_mask.sum()) / batch.num_seqs, "lr": self.learner.opt.param_groups[0]["lr"],
-            "b_act_mean": boundary.b_act.mean if boundary.b_act else None,
+            "b_act_mean": boundary.b_act.mean, "b_act_p50": boundary.b_act.p50, "b_act_p90": boundary.b_act.p90,
+            "b_act_frac_time_below": boundary.b_act.frac_time_below, "gen_tokens": boundary.generated_tokens,
             "preemptions": boundary.preemptions,
         }
         if m["skipped"]:
@@ -168,6 +176,7 @@ class Trainer:
             self._log({"update": 0, "N": 0, "J": self.evaluate()})
         from rlengine.rl.progress import Progress
 
+        self.telemetry.start()
         with Progress(cfg.train.updates, start=self.update, enabled=cfg.run.progress) as bar:
             while self.update < last:
                 record = self.train_step()
@@ -177,8 +186,20 @@ class Trainer:
                 bar.advance(record)
                 if cfg.run.checkpoint_every and self.update % cfg.run.checkpoint_every == 0:
                     self.checkpoint()
+        self.telemetry.stop()
+        self._write_telemetry()
         self.checkpoint()
         return self.history
+
+    def _write_telemetry(self) -> None:
+        """Per-phase GPU telemetry (or why there is none) to RUN_DIR/telemetry.json."""
+        steps = [r for r in self.history if r["update"] > 0]
+        summary = self.telemetry.summary(responses=sum(self.cfg.train.b_train for _ in steps),
+                                         tokens=sum(r.get("gen_tokens", 0) for r in steps))
+        print(summary.format())
+        payload = {"available": summary.available, "reason": summary.reason,
+                   "phases": {k: dataclasses.asdict(v) for k, v in summary.phases.items()}}
+        (self.run_dir / "telemetry.json").write_text(json.dumps(payload, indent=2, default=str))
 
     def _log(self, record: dict) -> None:
         self.history.append(record)
