@@ -80,3 +80,18 @@ def test_sampled_logprobs_use_temperature(models):
             logits = hf(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1:-1] / 0.7
         ref = logits.log_softmax(-1).gather(1, torch.tensor(toks)[:, None])[:, 0]
         assert (torch.tensor(out.outputs[0].logprobs) - ref).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_unwritten_cache_memory_never_leaks_into_outputs(models, backend):
+    """Cache slots no sequence wrote (here: NaN) must not reach any output, whatever the padding."""
+    hf, path = models["dense"]
+    prompts = _prompts(6, hf.config.vocab_size, 40, seed=9)
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=3, ignore_eos=True)
+    clean = LLM(load_pretrained(path), max_num_seqs=3, attention_backend=backend).generate(prompts, params)
+    llm = LLM(load_pretrained(path), max_num_seqs=3, attention_backend=backend)
+    llm.kv_cache.data.fill_(float("nan"))
+    dirty = llm.generate(prompts, params)
+    for a, b in zip(clean, dirty):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert all(lp == lp for lp in b.outputs[0].logprobs), "NaN log-prob"

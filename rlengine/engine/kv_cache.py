@@ -21,7 +21,9 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.data = torch.empty(cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
+        # zeros, not empty: the torch backend gathers padding slots that are masked in the scores, and
+        # 0 * NaN from never-written memory would still poison the weighted sum over V
+        self.data = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, dtype=dtype, device=device)
         self.k = [self.data[i, 0] for i in range(cfg.num_hidden_layers)]
         self.v = [self.data[i, 1] for i in range(cfg.num_hidden_layers)]

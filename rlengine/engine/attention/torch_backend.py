@@ -24,10 +24,12 @@ class TorchBackend(AttentionBackend):
         s_max = max(batch.context_lens)
         pos = torch.arange(s_max, device=device)
         indptr = batch.kv_indptr.long()
-        # page of each (sequence, position), clamped for padding rows (masked out below)
         lens = torch.tensor(batch.context_lens, device=device)
-        page_idx = (indptr[:-1, None] + pos[None, :] // P).clamp(max=max(0, batch.kv_indices.numel() - 1))
-        self.slots = batch.kv_indices.long()[page_idx] * P + pos[None, :] % P      # [B, S_max]
+        # Padding positions re-read the sequence's own last token: masked out of the scores, but the
+        # values must still be finite (0 * NaN from never-written cache memory would poison o = p @ V).
+        pos_BS = torch.minimum(pos[None, :], lens[:, None] - 1)
+        page_idx = indptr[:-1, None] + pos_BS // P
+        self.slots = batch.kv_indices.long()[page_idx] * P + pos_BS % P            # [B, S_max]
         self.mask = (pos[None, :] < lens[:, None])[:, None, None, :]                # [B, 1, 1, S_max]
 
     def decode(self, layer_id, q_BHD, k_cache, v_cache):
