@@ -35,6 +35,7 @@ import torch
 from rlengine.analysis.ceilings import measure_ceilings
 from rlengine.analysis.roofline import decode_roofline
 from rlengine.config import preset
+from rlengine.engine.kv_cache import bytes_per_block
 from rlengine.engine.llm import DTYPES, LLM
 from rlengine.engine.sampling_params import SamplingParams
 
@@ -42,19 +43,24 @@ COLUMNS = ["b_act", "tokens_per_s", "ms_per_step", "hf_tokens_per_s", "hf_ms_per
            "roofline_tokens_per_s", "roofline_fraction"]
 
 
-def _load(model: str, dtype: torch.dtype, workdir: str):
+def _load(model: str, dtype: torch.dtype, device: torch.device, workdir: str):
     """(our model, transformers model) with the same weights; a preset gets random weights (seed 0)."""
     from transformers import AutoModelForCausalLM
 
     from rlengine.model import Qwen3ForCausalLM, load_pretrained, save_pretrained
 
     if Path(model).is_dir():
-        ours, path = load_pretrained(model, dtype=dtype), model
+        ours, path = load_pretrained(model, dtype=dtype, device=device), model
     else:
-        ours = Qwen3ForCausalLM(preset(model), dtype=dtype)
+        ours = Qwen3ForCausalLM(preset(model), dtype=dtype, device=device)
         path = save_pretrained(ours, Path(workdir) / "ckpt")
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
     return ours, hf
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _rlengine_step_s(llm: LLM, prompts: list[list[int]], gen_len: int) -> tuple[float, list[int]]:
@@ -66,12 +72,15 @@ def _rlengine_step_s(llm: LLM, prompts: list[list[int]], gen_len: int) -> tuple[
 
 @torch.inference_mode()
 def _hf_step_s(hf, prompts: list[list[int]], gen_len: int) -> tuple[float, list[int]]:
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=hf.device)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    _sync(ids.device)
     t0 = time.perf_counter()
     hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+    _sync(ids.device)
     t1 = time.perf_counter()
     out = hf.generate(ids, max_new_tokens=gen_len, min_new_tokens=gen_len, **kw)
+    _sync(ids.device)
     t2 = time.perf_counter()
     return ((t2 - t1) - (t1 - t0)) / (gen_len - 1), out[0, len(prompts[0]):].tolist()
 
@@ -84,7 +93,9 @@ def _conditions(args, cfg, ceilings) -> dict:
         commit = None
     import transformers
 
+    device = torch.device(args.device)
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": platform.processor() or platform.machine(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(), "commit": commit,
             "model": args.model, "dtype": args.dtype, "backend": args.backend, "prompt_len": args.prompt_len,
@@ -103,48 +114,66 @@ def _table(rows: list[dict]) -> str:
     return "\n".join([line(COLUMNS), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
+def _engine(args, ours, device: torch.device) -> tuple[LLM, list[int]]:
+    """The LLM under test, its KV cache sized for the largest B_act (capped by memory), and the B_act that fit."""
+    batches = [b for b in args.batches if b <= args.max_batch]
+    if not batches:
+        raise SystemExit(f"no B_act in --batches {args.batches} is <= --max-batch {args.max_batch}")
+    max_len = args.prompt_len + args.gen_len + 1
+    blocks = max(batches) * -(-max_len // 16)
+    if device.type == "cuda":  # 60% of what the weights leave: the rest for transformers' cache
+        free, _ = torch.cuda.mem_get_info(device)
+        blocks = min(blocks, int(0.6 * free) // bytes_per_block(ours.config, 16, ours.dtype))
+    llm = LLM(ours, max_num_seqs=max(batches), max_model_len=max_len, attention_backend=args.backend,
+              num_kv_blocks=blocks, block_size=16)
+    fits = blocks // llm.block_manager.blocks_for(max_len)
+    if any(b > fits for b in batches):
+        print(f"KV cache holds {fits} sequences at full length: dropping B_act > {fits}")
+    return llm, [b for b in batches if b <= fits]
+
+
+def _measure(args, llm: LLM, hf, prompts: list[list[int]]) -> tuple[list[float], list[float], bool | None]:
+    """Per-step seconds of each repetition for rlengine and transformers, and whether their tokens agree."""
+    _rlengine_step_s(llm, prompts, min(args.gen_len, 8))  # warm-up: allocator, oneDNN primitives
+    if not args.no_hf:
+        _hf_step_s(hf, prompts, min(args.gen_len, 8))
+    ours_s, hf_s, same = [], [], None
+    for _ in range(args.reps):  # alternate, so drift in machine load hits both providers
+        step, ours_tokens = _rlengine_step_s(llm, prompts, args.gen_len)
+        ours_s.append(step)
+        if not args.no_hf:
+            step, hf_tokens = _hf_step_s(hf, prompts, args.gen_len)
+            hf_s.append(step)
+            same = ours_tokens == hf_tokens
+    return ours_s, hf_s, same
+
+
 def run(args) -> tuple[list[dict], dict]:
     """The sweep: table rows and the conditions they were measured under."""
-    dtype = DTYPES[args.dtype]
+    dtype, device = DTYPES[args.dtype], torch.device(args.device)
     if args.ceilings:  # a ceilings.json from `rlengine bench ceilings` on this machine
         ceilings = json.loads(Path(args.ceilings).read_text())["ceilings"]
     else:
-        ceilings = measure_ceilings("cpu")
+        ceilings = measure_ceilings(device)
     with tempfile.TemporaryDirectory() as tmp:
-        ours, hf = _load(args.model, dtype, tmp)
+        ours, hf = _load(args.model, dtype, device, tmp)
     cfg = ours.config
-    batches = [b for b in args.batches if b <= args.max_batch]
-    llm = LLM(ours, max_num_seqs=max(batches), max_model_len=args.prompt_len + args.gen_len + 1,
-              attention_backend=args.backend)
-    per_seq = llm.block_manager.blocks_for(args.prompt_len + args.gen_len)
-    fits = llm.block_manager.num_blocks // per_seq
-    if any(b > fits for b in batches):
-        print(f"KV cache holds {fits} sequences at full length: dropping B_act > {fits}")
-        batches = [b for b in batches if b <= fits]
+    llm, batches = _engine(args, ours, device)
     elem = torch.empty((), dtype=dtype).element_size()
     flops = ceilings["flops_per_s"].get(args.dtype) or max(ceilings["flops_per_s"].values())
     gen = torch.Generator().manual_seed(0)
     rows = []
     for b in batches:
         prompts = torch.randint(3, cfg.vocab_size, (b, args.prompt_len), generator=gen).tolist()
-        _rlengine_step_s(llm, prompts, min(args.gen_len, 8))  # warm-up: allocator, oneDNN primitives
-        if not args.no_hf:
-            _hf_step_s(hf, prompts, min(args.gen_len, 8))
-        ours_s, hf_s, same = [], [], None
-        for _ in range(args.reps):  # alternate, so drift in machine load hits both providers
-            step, ours_tokens = _rlengine_step_s(llm, prompts, args.gen_len)
-            ours_s.append(step)
-            if not args.no_hf:
-                step, hf_tokens = _hf_step_s(hf, prompts, args.gen_len)
-                hf_s.append(step)
-                same = ours_tokens == hf_tokens
+        ours_s, hf_s, same = _measure(args, llm, hf, prompts)
         t = statistics.median(ours_s)
         roof = decode_roofline(cfg, b_act=b, context_len=args.prompt_len + args.gen_len // 2,
                                bandwidth=ceilings["bandwidth_bytes_per_s"], flops=flops, weight_bytes=elem,
                                kv_bytes=elem)
         row = {"b_act": b, "tokens_per_s": b / t, "ms_per_step": 1e3 * t, "hf_tokens_per_s": None,
                "hf_ms_per_step": None, "ratio": None, "roofline_tokens_per_s": roof.tokens_per_s,
-               "roofline_fraction": b / t / roof.tokens_per_s, "same_tokens_as_hf": same}
+               "roofline_fraction": b / t / roof.tokens_per_s, "same_tokens_as_hf": same,
+               "ms_per_step_reps": [1e3 * x for x in ours_s], "hf_ms_per_step_reps": [1e3 * x for x in hf_s]}
         if hf_s:
             th = statistics.median(hf_s)
             row.update(hf_tokens_per_s=b / th, hf_ms_per_step=1e3 * th, ratio=th / t)
@@ -165,13 +194,14 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-30m", help="preset name or HF checkpoint directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="auto", help="attention backend (auto, cpp, torch, ...)")
     p.add_argument("--batches", type=_batches, default=[2**i for i in range(9)], help="comma-separated B_act")
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for both providers")
+    p.add_argument("--threads", type=int, default=None, help="CPU: torch.set_num_threads for both providers")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers side")
     p.add_argument("--ceilings", default=None, help="reuse a ceilings.json (rlengine bench ceilings) instead of "
                                                      "measuring")
