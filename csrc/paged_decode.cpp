@@ -228,7 +228,11 @@ void run(const Dims& d, const torch::Tensor& q, const torch::Tensor& k_cache, co
   const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
   const int32_t* indices = kv_indices.data_ptr<int32_t>();
   const int32_t* last_len = kv_last_page_len.data_ptr<int32_t>();
-  at::parallel_for(0, d.B * d.Hkv, 1, [&](int64_t begin, int64_t end) {
+  // Small steps (e.g. B_act = 1 with a short context) run on one thread: an OpenMP fork/join costs
+  // more than the whole item list. work ~ multiply-adds of the QK^T and PV products.
+  const int64_t work = static_cast<int64_t>(indptr[d.B] - indptr[0]) * d.P * d.H * d.D * 2;
+  const int64_t grain = work < (int64_t{1} << 20) ? std::max<int64_t>(1, d.B * d.Hkv) : 1;
+  at::parallel_for(0, d.B * d.Hkv, grain, [&](int64_t begin, int64_t end) {
     Scratch scratch(d);
     for (int64_t item = begin; item < end; ++item) {
       decode_group<scalar_t>(d, item / d.Hkv, item % d.Hkv, qp, kp, vp, indptr, indices, last_len, sm_scale, op,

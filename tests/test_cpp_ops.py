@@ -47,3 +47,47 @@ def test_store_kvcache_rejects_out_of_range_slot():
         torch.ops.rlengine.store_kvcache(torch.randn(1, 1, 8), torch.randn(1, 1, 8), k_cache, v_cache,
                                          torch.tensor([8]))
     assert torch.equal(k_cache, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_reference(dtype):
+    x = torch.randn(5, 3, 2 * 37, dtype=dtype)
+    gate, up = x.split(37, dim=-1)
+    torch.testing.assert_close(torch.ops.rlengine.silu_and_mul(x), torch.nn.functional.silu(gate) * up, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_updates_residual_in_place(dtype):
+    x, residual, w = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype), torch.randn(96, dtype=dtype)
+    want_residual = residual + x
+    want = rms_norm_ref(want_residual, w, 1e-6)
+    got = torch.ops.rlengine.fused_add_rms_norm(x, residual, w, 1e-6)
+    torch.testing.assert_close(residual, want_residual, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,Hkv,D", [(4, 2, 16), (6, 1, 10), (2, 2, 128)], ids=["gqa2", "mqa-odd-half", "d128"])
+def test_qk_norm_rope_matches_model_math(dtype, H, Hkv, D):
+    from rlengine.config import preset
+    from rlengine.model.layers import RotaryEmbedding, apply_rope
+
+    cfg = preset("tiny").replace(num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D, rope_theta=500.0)
+    rope = RotaryEmbedding(cfg)
+    rope.build(torch.device("cpu"))
+    T = 9
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, dtype=dtype)
+    qw, kw = torch.randn(D, dtype=dtype), torch.randn(D, dtype=dtype)
+    pos = torch.randint(0, cfg.max_position_embeddings, (T,))
+    q, k = torch.ops.rlengine.qk_norm_rope(qkv, qw, kw, rope.cos_sin, pos, H, Hkv, 1e-6)
+    cos, sin = rope(pos, dtype)
+    q_ref = apply_rope(rms_norm_ref(qkv[:, : H * D].view(T, H, D), qw, 1e-6), cos, sin)
+    k_ref = apply_rope(rms_norm_ref(qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D), kw, 1e-6), cos, sin)
+    torch.testing.assert_close(q, q_ref, **tol(dtype))
+    torch.testing.assert_close(k, k_ref, **tol(dtype))
+
+
+def test_qk_norm_rope_rejects_position_outside_table():
+    with pytest.raises(RuntimeError, match="outside the RoPE table"):
+        torch.ops.rlengine.qk_norm_rope(torch.randn(1, 3 * 8), torch.ones(8), torch.ones(8), torch.randn(2, 4, 8),
+                                        torch.tensor([4]), 1, 1, 1e-6)

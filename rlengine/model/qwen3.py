@@ -14,12 +14,19 @@ D head dim, F FFN, E experts, K top-k, V vocab.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from rlengine import _ext
 from rlengine.config import ModelConfig
 from rlengine.model.attention import AttentionContext, DenseCausal, PackedCausal
 from rlengine.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
 from rlengine.model.moe import SparseMoeBlock
+
+# Inference fast path on the CPU (no autograd): fused C++ ops from csrc/fused_ops.cpp replace the
+# elementwise chains of each layer (residual add + RMSNorm, q/k norm + RoPE, SiLU * up), which
+# dominate a small model's decode step through per-op dispatch cost. Same math as the torch path.
+_FUSED = all(_ext.has_op(op) for op in ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul"))
 
 
 class Attention(nn.Module):
@@ -43,6 +50,16 @@ class Attention(nn.Module):
         o_THD = ctx.attend(self.layer_id, q, k, v.view(T, self.num_kv_heads, self.head_dim))
         return self.o_proj(o_THD.reshape(T, self.q_size))
 
+    def forward_fused(self, x_TC, positions_T, rope_table, ctx: AttentionContext):
+        """CPU no-grad path: one C++ op for q/k RMSNorm + RoPE straight from the qkv projection."""
+        T = x_TC.shape[0]
+        qkv = F.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k = torch.ops.rlengine.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope_table, positions_T,
+                                               self.num_heads, self.num_kv_heads, self.q_norm.eps)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        o_THD = ctx.attend(self.layer_id, q, k, v)
+        return F.linear(o_THD.reshape(T, self.q_size), self.o_proj.weight)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, moe_impl: str):
@@ -60,6 +77,26 @@ class DecoderLayer(nn.Module):
         x_TC = x_TC + self.self_attn(self.input_layernorm(x_TC), cos, sin, ctx)
         return x_TC + self.mlp(self.post_attention_layernorm(x_TC))
 
+    def forward_fused(self, out_TC, residual_TC, positions_T, rope_table, ctx):
+        """vLLM-style residual stream: adds the previous sublayer output into `residual` in place.
+
+        Returns (this layer's MLP output, residual); residual None means out_TC is the embedding.
+        """
+        ops = torch.ops.rlengine
+        if residual_TC is None:
+            residual_TC = out_TC
+            h = ops.rms_norm(out_TC, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            h = ops.fused_add_rms_norm(out_TC, residual_TC, self.input_layernorm.weight, self.input_layernorm.eps)
+        h = self.self_attn.forward_fused(h, positions_T, rope_table, ctx)
+        h = ops.fused_add_rms_norm(h, residual_TC, self.post_attention_layernorm.weight,
+                                   self.post_attention_layernorm.eps)
+        if isinstance(self.mlp, SwiGLUMLP):
+            h = F.linear(ops.silu_and_mul(F.linear(h, self.mlp.gate_up_proj.weight)), self.mlp.down_proj.weight)
+        else:
+            h = self.mlp(h)
+        return h, residual_TC
+
 
 class Qwen3Model(nn.Module):
     """Embedding, decoder layers, final norm: input_ids [T] -> hidden [T, C]."""
@@ -73,10 +110,18 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids_T, positions_T, ctx: AttentionContext):
         x_TC = self.embed_tokens(input_ids_T)
+        if _FUSED and x_TC.device.type == "cpu" and not torch.is_grad_enabled():
+            return self._forward_fused(x_TC, positions_T, ctx)
         cos, sin = self.rotary(positions_T, x_TC.dtype)
         for layer in self.layers:
             x_TC = layer(x_TC, cos, sin, ctx)
         return self.norm(x_TC)
+
+    def _forward_fused(self, x_TC, positions_T, ctx):
+        out, residual = x_TC, None
+        for layer in self.layers:
+            out, residual = layer.forward_fused(out, residual, positions_T, self.rotary.cos_sin, ctx)
+        return torch.ops.rlengine.fused_add_rms_norm(out, residual, self.norm.weight, self.norm.eps)
 
 
 class Qwen3ForCausalLM(nn.Module):
