@@ -287,3 +287,15 @@ def test_decode_benchmark_smoke(tmp_path):
     for r in rows:
         assert set(decode.COLUMNS) <= set(r) and r["tokens_per_s"] > 0 and r["hf_ms_per_step"] > 0
         assert r["same_tokens_as_hf"] is True  # fp32 greedy: both generate the same tokens
+
+
+def test_generate_does_not_swallow_streaming_requests():
+    """Requests added with add_request() that finish inside a generate() call reach the next step()."""
+    llm = LLM(Qwen3ForCausalLM(preset("tiny"), seed=4), max_num_seqs=4, attention_backend="torch")
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    rid = llm.add_request([5, 6, 7], greedy)
+    outs = llm.generate([[8, 9]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 6
+    later = llm.step()
+    assert [o.request_id for o in later] == [rid] and len(later[0].outputs[0].token_ids) == 3
+    assert not llm.has_unfinished()

@@ -113,6 +113,7 @@ class LLM:
         self.weight_version = 0
         # Optional phase listener (e.g. telemetry.NvmlSampler): set_phase(kind) per step, an attribute write.
         self.phase_listener = None
+        self._stashed: list[RequestOutput] = []  # outputs of other requests that finished inside generate()
         self.trace: list[StepRecord] = []
         self.requests: dict[str, RequestState] = {}
         self._request_ids = itertools.count()
@@ -180,7 +181,8 @@ class LLM:
         self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """True while requests run or finished outputs wait to be returned by step()."""
+        return self.scheduler.has_work or bool(self._stashed)
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -190,9 +192,10 @@ class LLM:
         ends with a host read of the tokens, so the device is synced) and postprocess.
         """
         t0 = time.perf_counter()
+        stashed, self._stashed = self._stashed, []
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            return stashed
         if self.phase_listener is not None:
             self.phase_listener.set_phase(batch.kind)
         self.kv_cache.copy_blocks(batch.copies)
@@ -200,7 +203,7 @@ class LLM:
         prefill = batch.kind == "prefill"
         b_act = len(batch.seqs)
         num_tokens = sum(len(s) for s in batch.seqs) if prefill else b_act
-        outputs = self._postprocess(batch, seqs, tokens, logprobs)
+        outputs = stashed + self._postprocess(batch, seqs, tokens, logprobs)
         # forked siblings sample from their leader's prefill too
         self.trace.append(StepRecord(batch.kind, b_act, num_tokens, time.perf_counter() - t0,
                                      len(seqs) if prefill else 0))
@@ -256,10 +259,15 @@ class LLM:
         ids = [self.add_request(prompt, p) for prompt, p in zip(prompt_token_ids, plist)]
         finished: dict[str, RequestOutput] = {}
         pending = set(ids)
+        others: list[RequestOutput] = []
         while pending:
             for out in self.step():
-                finished[out.request_id] = out
-                pending.discard(out.request_id)
+                if out.request_id in pending:
+                    finished[out.request_id] = out
+                    pending.discard(out.request_id)
+                else:  # a request added with add_request(): handed out by the next step()
+                    others.append(out)
+        self._stashed.extend(others)
         stats = {"preemptions": self.scheduler.num_preemptions - preempt_start,
                  "recomputed_tokens": self.scheduler.num_recomputed_tokens - recompute_start}
         return GenerateResult([finished[i] for i in ids], self.trace[trace_start:], stats)
