@@ -12,6 +12,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+
+# dtype names accepted on the command line and in configs
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 ARCH_DENSE = "Qwen3ForCausalLM"
 ARCH_MOE = "Qwen3MoeForCausalLM"
 SUPPORTED_ARCHS = (ARCH_DENSE, ARCH_MOE)

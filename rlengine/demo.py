@@ -7,28 +7,17 @@ as the simplest possible reference path. Real generation goes through rlengine.L
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
-from rlengine.config import preset
-from rlengine.model import Qwen3ForCausalLM, load_pretrained
-from rlengine.model.tokenizer import Tokenizer
+from rlengine.model import Qwen3ForCausalLM
+from rlengine.model.factory import build_model, tokenizer_for
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model_and_tokenizer(model: str, dtype: str = "float32", device: str | None = None):
     """A preset name (random weights, built-in tokenizer) or a checkpoint directory."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if Path(model).is_dir():
-        net = load_pretrained(model, dtype=DTYPES[dtype], device=device)
-        tok_file = Path(model) / "tokenizer.json"
-        tok = Tokenizer.from_file(tok_file) if tok_file.exists() else Tokenizer.builtin()
-    else:
-        net = Qwen3ForCausalLM(preset(model), device=device, dtype=DTYPES[dtype])
-        tok = Tokenizer.builtin()
-    return net, tok
+    return build_model(model, dtype=dtype, device=device), tokenizer_for(model)
 
 
 @torch.no_grad()

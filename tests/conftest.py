@@ -2,7 +2,6 @@
 
 import os
 
-import pytest
 import torch
 
 # Triton kernels run on the CPU through the interpreter in this test tier.

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from hf_models import DENSE_CONFIGS, make_hf_model, save_hf_model

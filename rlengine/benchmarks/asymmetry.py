@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from rlengine.analysis.fits import critical_generation_batch, fit_generation_time, fit_training_time
-from rlengine.config import preset
+from rlengine.config import DTYPES, preset
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.batching import grpo_batch
@@ -28,7 +28,6 @@ from rlengine.rl.config import TrainSection
 from rlengine.rl.learner import Learner
 from rlengine.rl.rollout import RolloutGroup
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _measure(model, b: int, G: int, prompt_len: int, gen_len: int, backend: str, seed: int) -> tuple[float, float]:

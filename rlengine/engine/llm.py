@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from rlengine.config import preset
+from rlengine.config import DTYPES
 from rlengine.engine.attention import resolve_backend
 from rlengine.engine.block_manager import BlockManager
 from rlengine.engine.kv_cache import KVCache, bytes_per_block
@@ -29,10 +29,10 @@ from rlengine.engine.sampler import Sampler
 from rlengine.engine.sampling_params import SamplingParams
 from rlengine.engine.scheduler import Scheduler
 from rlengine.engine.sequence import Sequence
+from rlengine.model.factory import build_model
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.telemetry.records import StepRecord
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
 
 
@@ -47,14 +47,7 @@ def _as_dtype(dtype) -> torch.dtype | None:
 def _build_model(model, dtype, device, moe_impl) -> Qwen3ForCausalLM:
     if isinstance(model, Qwen3ForCausalLM):
         return model  # shared weights: never copied, never moved
-    from pathlib import Path
-
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if Path(str(model)).is_dir():
-        from rlengine.model.loader import load_pretrained
-
-        return load_pretrained(model, dtype=dtype or torch.float32, device=device, moe_impl=moe_impl)
-    return Qwen3ForCausalLM(preset(str(model)), moe_impl=moe_impl, device=device, dtype=dtype or torch.float32)
+    return build_model(str(model), dtype=dtype or torch.float32, device=device, moe_impl=moe_impl)
 
 
 def _token_ids(prompt, where: str) -> list[int]:

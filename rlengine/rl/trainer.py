@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 
-from rlengine.config import preset
 from rlengine.engine import LLM, SamplingParams
-from rlengine.model.loader import load_pretrained
+from rlengine.model.factory import build_model, default_device, tokenizer_for
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.batching import grpo_batch, pack
@@ -35,21 +34,13 @@ from rlengine.rl.warmstart import format_warmstart
 from rlengine.telemetry.nvml import NvmlSampler
 from rlengine.telemetry.records import build_boundary_record
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _build_model(cfg: TrainConfig) -> tuple[Qwen3ForCausalLM, Tokenizer]:
-    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = cfg.model.device if cfg.model.device != "auto" else str(default_device())
     moe_impl = cfg.model.moe_impl if cfg.model.moe_impl != "auto" else ("triton" if device == "cuda" else "ref")
-    dtype = DTYPES[cfg.model.dtype]
-    if Path(cfg.model.name).is_dir():
-        model = load_pretrained(cfg.model.name, dtype=dtype, device=device, moe_impl=moe_impl)
-        tok_file = Path(cfg.model.name) / "tokenizer.json"
-        tok = Tokenizer.from_file(tok_file) if tok_file.exists() else Tokenizer.builtin()
-    else:
-        model = Qwen3ForCausalLM(preset(cfg.model.name), moe_impl=moe_impl, device=device, dtype=dtype,
-                                 seed=cfg.run.seed)
-        tok = Tokenizer.builtin()
+    model = build_model(cfg.model.name, dtype=cfg.model.dtype, device=device, moe_impl=moe_impl, seed=cfg.run.seed)
+    tok = tokenizer_for(cfg.model.name)
     if tok.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token; set one so responses can end")
     model.config.eos_token_id = tok.eos_token_id
@@ -114,7 +105,7 @@ class Trainer:
 
     # ---- one update --------------------------------------------------------------------------
     def train_step(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
+        t = self.cfg.train
         stats = CollectStats()
         trace_start = len(self.llm.trace)
         preempt0, recompute0 = self.llm.scheduler.num_preemptions, self.llm.scheduler.num_recomputed_tokens
