@@ -91,3 +91,26 @@ def test_qk_norm_rope_rejects_position_outside_table():
     with pytest.raises(RuntimeError, match="outside the RoPE table"):
         torch.ops.rlengine.qk_norm_rope(torch.randn(1, 3 * 8), torch.ones(8), torch.ones(8), torch.randn(2, 4, 8),
                                         torch.tensor([4]), 1, 1, 1e-6)
+
+
+def test_everything_runs_without_the_extension():
+    """With rlengine._C unimportable: one notice naming the fallback ops, and model + engine still work."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['rlengine._C'] = None\n"
+        "import torch\n"
+        "from rlengine import LLM, SamplingParams, _ext\n"
+        "assert not _ext.AVAILABLE and not _ext.has_op('rms_norm')\n"
+        "llm = LLM('tiny-moe', max_num_seqs=2)\n"
+        "assert llm.attention_backend == 'torch'\n"
+        "out = llm.generate([[5, 6, 7], [9]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))\n"
+        "assert all(len(o.outputs[0].token_ids) == 4 for o in out)\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"
+    notice = [ln for ln in res.stderr.splitlines() if "C++ extension not built" in ln]
+    assert len(notice) == 1 and "rms_norm" in notice[0] and "torch fallbacks" in notice[0]
