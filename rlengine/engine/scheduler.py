@@ -69,25 +69,19 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch:
         batch = ScheduledBatch("decode", [])
-        scheduled = set()
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            while self.bm.append_cost(seq) > self.bm.num_free:
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                copy = self.bm.append_slot(seq)
-                if copy is not None:
-                    batch.copies.append(copy)
-                batch.seqs.append(seq)
-                scheduled.add(seq.seq_id)
-                i += 1
-                continue
-            # seq itself was preempted; it was the last running sequence.
-        assert all(s.seq_id in scheduled for s in self.running)
+            # Room for seq's next K/V slot: preempt the newest sequences, possibly seq itself.
+            while self.bm.append_cost(seq) > self.bm.num_free and seq.status is SequenceStatus.RUNNING:
+                self._preempt(self.running[-1])
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq was the newest running sequence; everything before it is scheduled
+            copy = self.bm.append_slot(seq)
+            if copy is not None:
+                batch.copies.append(copy)
+            batch.seqs.append(seq)
+            i += 1
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
