@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ from rlengine.rl.tasks import build_task
 from rlengine.rl.warmstart import format_warmstart
 from rlengine.telemetry.nvml import NvmlSampler
 from rlengine.telemetry.records import build_boundary_record
+from rlengine.telemetry.timers import PhaseTimer
 
 
 
@@ -77,6 +77,7 @@ class Trainer:
         self.update, self.N = 0, 0
         self.history: list[dict] = []
         self.telemetry = NvmlSampler()        # says plainly when GPU telemetry is unavailable
+        self.timer = PhaseTimer(self.model.device)  # t_gen / t_train; syncs only at phase ends
         self.llm.phase_listener = self.telemetry
         if resume:
             self._resume()
@@ -109,9 +110,9 @@ class Trainer:
         stats = CollectStats()
         trace_start = len(self.llm.trace)
         preempt0, recompute0 = self.llm.scheduler.num_preemptions, self.llm.scheduler.num_recomputed_tokens
-        t0 = time.perf_counter()
-        groups = self.collector.collect(stats)
-        t_gen = time.perf_counter() - t0
+        self.timer.reset()
+        with self.timer.phase("gen"):
+            groups = self.collector.collect(stats)
         if t.algo == "grpo":
             batch = grpo_batch(groups, normalize_std=t.normalize_std)
         else:
@@ -120,12 +121,10 @@ class Trainer:
                          [g.routing_ids[0] for g in groups] if all(g.routing_ids for g in groups) else None)
         batch = batch.to(self.model.device)
         critic_only = t.algo == "ppo" and self.update < t.critic_warmup
-        t1 = time.perf_counter()
-        m = self.learner.step(batch, critic_only=critic_only, phases=self.telemetry)
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize()
-        t_train = time.perf_counter() - t1
+        with self.timer.phase("train"):
+            m = self.learner.step(batch, critic_only=critic_only, phases=self.telemetry)
         self.telemetry.set_phase("idle")
+        t_gen, t_train = self.timer.total("gen"), self.timer.total("train")
         if not m["skipped"] and not critic_only:
             self.llm.weight_version += 1
         if not critic_only:
