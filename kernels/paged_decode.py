@@ -38,7 +38,6 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, kv_last_page_len_ptr,
     part_out_ptr, part_lse_ptr,
     qk_scale,          # sm_scale * log2(e): scores are kept in base 2 so exp2 is used throughout
-    pages_per_split,
     stride_qb, stride_qh,
     stride_kn, stride_kp, stride_kh,
     stride_vn, stride_vp, stride_vh,
@@ -56,11 +55,12 @@ def _split_kernel(
     page_begin = tl.load(kv_indptr_ptr + b)
     num_pages = tl.load(kv_indptr_ptr + b + 1) - page_begin
     ctx = (num_pages - 1) * P + tl.load(kv_last_page_len_ptr + b)
+    # Each sequence splits its own pages evenly, so the launch depends on no per-step host value
+    # (one CUDA graph serves every context length) and ragged batches stay balanced. Splits that
+    # start past ctx run no iterations (empty split).
+    pages_per_split = tl.cdiv(num_pages, num_splits)
     tok_begin = split * pages_per_split * P
     tok_end = tl.minimum(tok_begin + pages_per_split * P, ctx)
-    # The last split takes whatever remains, so an underestimated max_num_pages costs balance,
-    # never correctness. Splits that start past ctx run no iterations (empty split).
-    tok_end = tl.where(split == num_splits - 1, ctx, tok_end)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -230,9 +230,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     q [B, H, D] (any strides with a contiguous last dim); k_cache, v_cache [num_blocks, P, Hkv, D];
     kv_indptr int32 [B+1], kv_indices int32 [kv_indptr[-1]], kv_last_page_len int32 [B] in 1..P.
-    max_num_pages: host int, an upper bound on any sequence's page count; it only sizes the splits
-    (an underestimate makes the last split longer, never wrong). num_splits pins S (tests, CUDA
-    graphs); default choose_num_splits(), capped by workspace.num_splits. With out= and workspace=
+    max_num_pages: host int, about the most pages any sequence uses; it only chooses the number of
+    splits S (each sequence then splits its own pages evenly), so any value is correct. num_splits
+    pins S (tests, CUDA graphs); default choose_num_splits(), capped by workspace.num_splits. With out= and workspace=
     given nothing is allocated and nothing syncs with the host; out is written in place.
     """
     _check_inputs(q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, out)
@@ -257,7 +257,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     part_out, part_lse = workspace.partial_out, workspace.partial_lse
     _split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, part_out, part_lse,
-        sm_scale * _LOG2E, triton.cdiv(max(1, max_num_pages), num_splits),
+        sm_scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -27,6 +27,9 @@ class ForwardBatch:
     context_lens: list[int]         # [B] host: tokens attended to (including this step's)
     logits_indices: torch.Tensor | None  # [B] int64 row of each sequence's last token in T; None: all rows (decode)
     max_num_pages: int              # host: the most pages any sequence in the batch uses
+    # True for a CUDA-graph bucket's batch: the tensors are the graph's fixed input buffers, and the
+    # host fields (context_lens, max_num_pages) are capture-time placeholders that decode must not read.
+    static: bool = False
 
     @property
     def batch_size(self) -> int:

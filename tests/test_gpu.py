@@ -58,3 +58,41 @@ def test_engine_triton_backend_matches_torch_backend_on_gpu(name):
     a = LLM(model, max_num_seqs=3, attention_backend="torch").generate(prompts, params)
     b = LLM(model, max_num_seqs=3, attention_backend="triton").generate(prompts, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_cuda_graph_decode_matches_eager(name):
+    """Real CUDA graphs (captured lazily per bucket) against the same engine run eagerly."""
+    moe = name == "tiny-moe"
+    model = Qwen3ForCausalLM(preset(name), device="cuda", moe_impl="triton" if moe else "ref")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (int(n),), generator=gen).tolist() for n in (1, 5, 17, 33, 64, 100, 130, 9)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    g = LLM(model, max_num_seqs=5, attention_backend="triton", record_routing=moe)
+    e = LLM(model, max_num_seqs=5, attention_backend="triton", record_routing=moe, enforce_eager=True)
+    assert g.cuda_graphs_off is None and e.cuda_graphs_off == "enforce_eager=True"
+    a, b = g.generate(prompts, params), e.generate(prompts, params)
+    assert g.runner.graphs.num_replays == sum(r.kind == "decode" for r in a.trace) > 0
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        torch.testing.assert_close(torch.tensor(x.outputs[0].logprobs), torch.tensor(y.outputs[0].logprobs),
+                                   atol=1e-4, rtol=0)
+        if moe:
+            assert torch.equal(x.outputs[0].routing_ids, y.outputs[0].routing_ids)
+
+
+def test_cuda_graphs_capture_all_and_see_weight_updates():
+    model = Qwen3ForCausalLM(preset("tiny"), device="cuda")
+    llm = LLM(model, max_num_seqs=16, attention_backend="triton")
+    llm.capture_decode_graphs()
+    assert sorted(llm.runner.graphs.graphs) == [1, 2, 4, 8, 16]
+    prompts = [[5, 6, 7, 8], [9, 10], [11]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    eager = LLM(model, max_num_seqs=16, attention_backend="triton", enforce_eager=True)
+    assert after == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert after != before

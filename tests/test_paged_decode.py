@@ -138,7 +138,7 @@ def test_triton_preallocated_workspace_and_strided_q():
 
 
 def test_triton_underestimated_max_num_pages_reads_whole_context():
-    """The last split takes the remainder, so a too-small max_num_pages stays correct."""
+    """max_num_pages only chooses S; each sequence splits its own pages, so a too-small value stays correct."""
     batch = make_batch([60, 7], 2, 1, 64, 8, torch.float32, seed=2)
     out = paged_decode(batch.q, batch.k_cache, batch.v_cache, *batch.tables(), sm_scale=0.125,
                        max_num_pages=2, num_splits=2)

@@ -11,6 +11,9 @@ weights (our model saved with save_pretrained and loaded with AutoModelForCausal
     own per-step work (cache update, logits processors, stopping criteria).
   - The two run alternately per B_act and per repetition (the median of --reps is reported), so
     machine noise hits both alike: compare the ratio column, measured within one run.
+  - CUDA graphs: on a GPU rlengine replays a captured decode step per batch bucket (captured in
+    the warm-up); --enforce-eager turns them off, --compare-eager times an eager twin on the same
+    weights in the same run (columns eager_ms_per_step, graph_speedup).
   - Roofline (PAPER.md Eq. 5): ceilings measured once here (copy bandwidth, matmul FLOP/s for the
     dtype; or read with --ceilings), bound at the mean context length prompt + gen/2;
     fraction = measured / bound.
@@ -41,6 +44,7 @@ from rlengine.engine.sampling_params import SamplingParams
 
 COLUMNS = ["b_act", "tokens_per_s", "ms_per_step", "hf_tokens_per_s", "hf_ms_per_step", "ratio",
            "roofline_tokens_per_s", "roofline_fraction"]
+EAGER_COLUMNS = ["eager_ms_per_step", "graph_speedup"]
 
 
 def _load(model: str, dtype: torch.dtype, device: torch.device, workdir: str):
@@ -49,10 +53,11 @@ def _load(model: str, dtype: torch.dtype, device: torch.device, workdir: str):
 
     from rlengine.model import Qwen3ForCausalLM, load_pretrained, save_pretrained
 
+    moe_impl = "triton" if device.type == "cuda" else "ref"  # sync-free experts: capturable in CUDA graphs
     if Path(model).is_dir():
-        ours, path = load_pretrained(model, dtype=dtype, device=device), model
+        ours, path = load_pretrained(model, dtype=dtype, device=device, moe_impl=moe_impl), model
     else:
-        ours = Qwen3ForCausalLM(preset(model), dtype=dtype, device=device)
+        ours = Qwen3ForCausalLM(preset(model), dtype=dtype, device=device, moe_impl=moe_impl)
         path = save_pretrained(ours, Path(workdir) / "ckpt")
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
     return ours, hf
@@ -107,45 +112,53 @@ def _conditions(args, cfg, ceilings) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
+    columns = COLUMNS + (EAGER_COLUMNS if any("eager_ms_per_step" in r for r in rows) else [])
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else str(v))  # noqa: E731
-    cells = [[fmt(r.get(c)) for c in COLUMNS] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(COLUMNS)]
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
-    return "\n".join([line(COLUMNS), line(["-" * w for w in widths])] + [line(r) for r in cells])
+    return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
-def _engine(args, ours, device: torch.device) -> tuple[LLM, list[int]]:
-    """The LLM under test, its KV cache sized for the largest B_act (capped by memory), and the B_act that fit."""
+def _engine(args, ours, device: torch.device, enforce_eager: bool, share: float = 0.6) -> tuple[LLM, list[int]]:
+    """An LLM on `ours`, its KV cache sized for the largest B_act (capped by `share` of free GPU memory),
+    and the B_act that fit."""
     batches = [b for b in args.batches if b <= args.max_batch]
     if not batches:
         raise SystemExit(f"no B_act in --batches {args.batches} is <= --max-batch {args.max_batch}")
     max_len = args.prompt_len + args.gen_len + 1
     blocks = max(batches) * -(-max_len // 16)
-    if device.type == "cuda":  # 60% of what the weights leave: the rest for transformers' cache
+    if device.type == "cuda":  # a share of what the weights leave: the rest for transformers' cache
         free, _ = torch.cuda.mem_get_info(device)
-        blocks = min(blocks, int(0.6 * free) // bytes_per_block(ours.config, 16, ours.dtype))
+        blocks = min(blocks, int(share * free) // bytes_per_block(ours.config, 16, ours.dtype))
     llm = LLM(ours, max_num_seqs=max(batches), max_model_len=max_len, attention_backend=args.backend,
-              num_kv_blocks=blocks, block_size=16)
+              num_kv_blocks=blocks, block_size=16, enforce_eager=enforce_eager)
     fits = blocks // llm.block_manager.blocks_for(max_len)
     if any(b > fits for b in batches):
         print(f"KV cache holds {fits} sequences at full length: dropping B_act > {fits}")
     return llm, [b for b in batches if b <= fits]
 
 
-def _measure(args, llm: LLM, hf, prompts: list[list[int]]) -> tuple[list[float], list[float], bool | None]:
-    """Per-step seconds of each repetition for rlengine and transformers, and whether their tokens agree."""
-    _rlengine_step_s(llm, prompts, min(args.gen_len, 8))  # warm-up: allocator, oneDNN primitives
+def _measure(args, llm: LLM, hf, prompts: list[list[int]], eager: LLM | None = None):
+    """Per-step seconds of each repetition for rlengine, transformers and the eager twin (if any),
+    and whether rlengine's tokens agree with transformers'."""
+    # warm-up: allocator, oneDNN primitives, Triton JIT, the bucket's CUDA graph capture
+    _rlengine_step_s(llm, prompts, min(args.gen_len, 8))
+    if eager is not None:
+        _rlengine_step_s(eager, prompts, min(args.gen_len, 8))
     if not args.no_hf:
         _hf_step_s(hf, prompts, min(args.gen_len, 8))
-    ours_s, hf_s, same = [], [], None
-    for _ in range(args.reps):  # alternate, so drift in machine load hits both providers
+    ours_s, hf_s, eager_s, same = [], [], [], None
+    for _ in range(args.reps):  # alternate, so drift in machine load hits every provider
         step, ours_tokens = _rlengine_step_s(llm, prompts, args.gen_len)
         ours_s.append(step)
+        if eager is not None:
+            eager_s.append(_rlengine_step_s(eager, prompts, args.gen_len)[0])
         if not args.no_hf:
             step, hf_tokens = _hf_step_s(hf, prompts, args.gen_len)
             hf_s.append(step)
             same = ours_tokens == hf_tokens
-    return ours_s, hf_s, same
+    return ours_s, hf_s, eager_s, same
 
 
 def run(args) -> tuple[list[dict], dict]:
@@ -158,14 +171,17 @@ def run(args) -> tuple[list[dict], dict]:
     with tempfile.TemporaryDirectory() as tmp:
         ours, hf = _load(args.model, dtype, device, tmp)
     cfg = ours.config
-    llm, batches = _engine(args, ours, device)
+    compare = args.compare_eager and not args.enforce_eager
+    llm, batches = _engine(args, ours, device, args.enforce_eager, share=0.3 if compare else 0.6)
+    eager = _engine(args, ours, device, True, share=0.3)[0] if compare else None
+    print(f"CUDA graphs: {'on' if llm.cuda_graphs_off is None else 'off (' + llm.cuda_graphs_off + ')'}")
     elem = torch.empty((), dtype=dtype).element_size()
     flops = ceilings["flops_per_s"].get(args.dtype) or max(ceilings["flops_per_s"].values())
     gen = torch.Generator().manual_seed(0)
     rows = []
     for b in batches:
         prompts = torch.randint(3, cfg.vocab_size, (b, args.prompt_len), generator=gen).tolist()
-        ours_s, hf_s, same = _measure(args, llm, hf, prompts)
+        ours_s, hf_s, eager_s, same = _measure(args, llm, hf, prompts, eager)
         t = statistics.median(ours_s)
         roof = decode_roofline(cfg, b_act=b, context_len=args.prompt_len + args.gen_len // 2,
                                bandwidth=ceilings["bandwidth_bytes_per_s"], flops=flops, weight_bytes=elem,
@@ -177,9 +193,14 @@ def run(args) -> tuple[list[dict], dict]:
         if hf_s:
             th = statistics.median(hf_s)
             row.update(hf_tokens_per_s=b / th, hf_ms_per_step=1e3 * th, ratio=th / t)
+        if eager_s:
+            te = statistics.median(eager_s)
+            row.update(eager_ms_per_step=1e3 * te, graph_speedup=te / t)
         rows.append(row)
         print(_table(rows).splitlines()[-1] if len(rows) > 1 else _table(rows), flush=True)
-    return rows, _conditions(args, cfg, ceilings)
+    conditions = _conditions(args, cfg, ceilings)
+    conditions["cuda_graphs"] = "on" if llm.cuda_graphs_off is None else f"off: {llm.cuda_graphs_off}"
+    return rows, conditions
 
 
 def _batches(text: str) -> list[int]:
@@ -203,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="CPU: torch.set_num_threads for both providers")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers side")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for rlengine's decode steps")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="GPU: also time an eager (no CUDA graph) rlengine engine, side by side")
     p.add_argument("--ceilings", default=None, help="reuse a ceilings.json (rlengine bench ceilings) instead of "
                                                      "measuring")
     p.add_argument("--out", default="bench/results", help="directory for the JSON")

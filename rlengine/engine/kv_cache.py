@@ -3,6 +3,9 @@
 All layers live in one allocation [L, 2, num_blocks, P, Hkv, D] so a copy-on-write block copy
 is a single indexed copy across every layer. Sizing from a memory budget follows PAPER.md's
 m_KV: bytes per block = 2 * L * P * Hkv * D * element size.
+One extra block, `null_block` (the last index), is allocated beyond the block manager's
+num_blocks: padding rows of a CUDA-graph decode bucket write their K/V there, so they never
+touch a sequence's cache.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.null_block = num_blocks  # never handed out by the block manager
         # zeros, not empty: the torch backend gathers padding slots that are masked in the scores, and
         # 0 * NaN from never-written memory would still poison the weighted sum over V
-        self.data = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, block_size, cfg.num_key_value_heads,
+        self.data = torch.zeros(cfg.num_hidden_layers, 2, num_blocks + 1, block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, dtype=dtype, device=device)
         self.k = [self.data[i, 0] for i in range(cfg.num_hidden_layers)]
         self.v = [self.data[i, 1] for i in range(cfg.num_hidden_layers)]

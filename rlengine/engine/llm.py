@@ -9,6 +9,9 @@ made, so a learner's optimizer step is visible at the next decode step. `weight_
 is bumped by the learner and stamped on every generated token (policy lag).
 Step-level API for streaming RL loops: add_request / step / has_unfinished / abort_request.
 engine.step() is the usual three lines: schedule, run, postprocess.
+On a GPU, decode steps replay CUDA graphs captured per batch bucket (cuda_graph.py) unless
+enforce_eager=True or the backend / MoE implementation cannot be captured; `cuda_graphs_off`
+says why they are off.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from rlengine.config import DTYPES
 from rlengine.engine.attention import resolve_backend
 from rlengine.engine.block_manager import BlockManager
+from rlengine.engine.cuda_graph import CudaGraph, DecodeGraphs, unsupported_reason
 from rlengine.engine.kv_cache import KVCache, bytes_per_block
 from rlengine.engine.model_runner import ModelRunner
 from rlengine.engine.outputs import GenerateResult, RequestOutput, RequestState
@@ -70,7 +74,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto", seed: int = 0,
-                 moe_impl: str = "ref", record_routing: bool = False):
+                 moe_impl: str = "ref", record_routing: bool = False, enforce_eager: bool = False,
+                 cuda_graph_sizes: list[int] | None = None):
         self.model = _build_model(model, _as_dtype(dtype), device, moe_impl)
         cfg = self.model.config
         self.config = cfg
@@ -110,6 +115,29 @@ class LLM:
         self.trace: list[StepRecord] = []
         self.requests: dict[str, RequestState] = {}
         self._request_ids = itertools.count()
+        if enforce_eager:
+            self.cuda_graphs_off = "enforce_eager=True"
+        elif self.device.type != "cuda":
+            self.cuda_graphs_off = f"CUDA graphs need a CUDA device, the model is on {self.device}"
+        else:
+            self.cuda_graphs_off = unsupported_reason(self.model, self.backend)
+        if self.cuda_graphs_off is None:
+            self._use_decode_graphs(CudaGraph, cuda_graph_sizes)
+
+    def _use_decode_graphs(self, graph_cls: type, sizes: list[int] | None = None) -> DecodeGraphs:
+        """Route decode steps that fit a bucket through captured graphs (graph_cls: CudaGraph, or
+        cuda_graph.StaticReplay to exercise the same path on a CPU)."""
+        self.runner.graphs = DecodeGraphs(
+            self.model, self.backend, self.kv_cache, max_bs=self.max_num_seqs,
+            max_pages_per_seq=-(-self.max_model_len // self.block_size), record_routing=self.runner.record_routing,
+            sizes=sizes, graph_cls=graph_cls)
+        self.cuda_graphs_off = None
+        return self.runner.graphs
+
+    def capture_decode_graphs(self) -> None:
+        """Capture every decode bucket now (otherwise each is captured on first use, inside a step)."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.capture_all()
 
     def _default_num_blocks(self, budget, per_block, max_num_seqs, block_size) -> int:
         if budget is None and self.device.type == "cuda":

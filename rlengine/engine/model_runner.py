@@ -4,7 +4,8 @@ prepare() builds input_ids / positions / slot_mapping and the FlashInfer-style p
 on the host and moves them to the device once; the attention backend plan()s on them once;
 the model forward then calls backend.attend() per layer. Only the last token of each
 sequence reaches the LM head. A prefill leader with forked siblings gets one logits row per
-sibling (the same row), each sampled with its own generator.
+sibling (the same row), each sampled with its own generator. With `graphs` set (a
+cuda_graph.DecodeGraphs), decode steps that fit a bucket replay a captured forward instead.
 Dimension legend: T tokens in the step, B sequences, V vocab.
 """
 
@@ -28,6 +29,7 @@ class ModelRunner:
         self.device = model.device
         self.record_routing = record_routing
         self.moe_blocks = model.moe_blocks()
+        self.graphs = None  # cuda_graph.DecodeGraphs, set by the LLM when decode graphs are on
 
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         """Host-side step metadata -> one ForwardBatch on the device.
@@ -74,6 +76,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[float]]:
         """Forward + sample. Returns the sequences that receive a token (siblings included), tokens, log-probs."""
+        if batch.kind == "decode" and self.graphs is not None and self.graphs.bucket(len(batch.seqs)):
+            logits_BV, ids_BLK = self.graphs.run(batch.seqs)
+            if ids_BLK is not None:
+                self._store_routing(batch, ids_BLK.cpu(), list(range(len(batch.seqs) + 1)))
+            return batch.seqs, *self.sampler(logits_BV, batch.seqs)
         fb = self.prepare(batch)
         self.backend.plan(fb)
         for block in self.moe_blocks:
@@ -83,7 +90,7 @@ class ModelRunner:
             hidden_TC = hidden_TC[fb.logits_indices]
         logits_BV = self.model.compute_logits(hidden_TC)
         if self.record_routing:
-            self._store_routing(batch, fb)
+            self._store_routing(batch, torch.stack([b.last_ids for b in self.moe_blocks], dim=1).cpu(), fb.qo_indptr)
         if batch.kind == "decode":
             return batch.seqs, *self.sampler(logits_BV, batch.seqs)
         rows, seqs = [], []
@@ -96,11 +103,11 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits_BV, seqs)
         return seqs, tokens, logprobs
 
-    def _store_routing(self, batch: ScheduledBatch, fb: ForwardBatch) -> None:
+    @staticmethod
+    def _store_routing(batch: ScheduledBatch, ids_TLK: torch.Tensor, qo_indptr: list[int]) -> None:
         """Keep the expert ids [tokens, L_moe, K] each sequence's input tokens were routed to."""
-        ids_TLK = torch.stack([b.last_ids for b in self.moe_blocks], dim=1).cpu()
         for i, seq in enumerate(batch.seqs):
-            rows = ids_TLK[fb.qo_indptr[i]:fb.qo_indptr[i + 1]]
+            rows = ids_TLK[qo_indptr[i]:qo_indptr[i + 1]]
             if batch.kind == "prefill":
                 seq.routing_ids = [rows]
                 for child in seq.fork_children:

@@ -5,6 +5,11 @@ prefill steps attend causally within each new sequence (every prefill in rlengin
 position 0: forked samples never prefill, preempted ones recompute from scratch), decode
 steps run the backend's paged-decode kernel over the block tables. Subclasses implement
 `decode()` and may override `plan()` to build per-step metadata outside the layer loop.
+
+CUDA graphs (engine/cuda_graph.py): a backend sets `graph_safe = True` when its decode() reads
+nothing but the ForwardBatch's device tensors and launches a fixed grid for a fixed batch size,
+so a captured decode step replays correctly for any page tables written into the same buffers.
+plan() always runs outside the graph, before each replay.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ def store_kv(k_TKD, v_TKD, k_cache, v_cache, slot_mapping_T) -> None:
 
 class AttentionBackend:
     name = "base"
+    graph_safe = False
 
     def __init__(self, kv_cache: KVCache, num_heads: int, head_dim: int, max_num_seqs: int):
         self.kv = kv_cache

@@ -1,4 +1,9 @@
-"""CPU decode backend: the C++ paged-decode kernel from csrc/ (torch.ops.rlengine.paged_decode)."""
+"""CPU decode backend: the C++ paged-decode kernel from csrc/ (torch.ops.rlengine.paged_decode).
+
+graph_safe: decode reads only the page-table tensors. There are no CUDA graphs on the CPU, but
+the engine's graph replay stand-in (cuda_graph.StaticReplay) runs on it, so the graph contract
+is tested here without a GPU.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from rlengine.engine.attention.base import AttentionBackend
 
 class CppBackend(AttentionBackend):
     name = "cpp"
+    graph_safe = True
 
     @staticmethod
     def unavailable_reason(device: torch.device) -> str | None:

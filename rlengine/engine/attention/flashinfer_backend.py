@@ -1,7 +1,10 @@
 """FlashInfer decode backend (BatchDecodeWithPagedKVCacheWrapper), used when installed on a GPU.
 
-plan() hands FlashInfer the step's page tables once; run() per layer. Untested in CI (no GPU,
-FlashInfer not installed there); the torch backend is its oracle when it runs.
+plan() hands FlashInfer the step's page tables once; run() per layer. Under CUDA graphs each
+batch bucket gets its own wrapper built with use_cuda_graph=True over the bucket's fixed
+page-table buffers (FlashInfer's own graph mode), re-planned outside the graph before every
+replay. Untested in CI (no GPU, FlashInfer not installed there); the torch backend is its
+oracle when it runs.
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ import torch
 
 from rlengine.engine.attention.base import AttentionBackend
 
+_WORKSPACE_BYTES = 128 * 2**20
+
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    graph_safe = True
 
     @staticmethod
     def unavailable_reason(device: torch.device) -> str | None:
@@ -28,16 +34,30 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(kv_cache, num_heads, head_dim, max_num_seqs)
         import flashinfer
 
-        device = kv_cache.data.device
-        self.workspace = torch.empty(128 * 2**20, dtype=torch.uint8, device=device)
+        self._flashinfer = flashinfer
+        self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=kv_cache.data.device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.graph_wrappers: dict[int, object] = {}  # batch bucket -> wrapper over that bucket's buffers
+        self.active = self.wrapper
+
+    def _graph_wrapper(self, batch):
+        bs = batch.batch_size
+        if bs not in self.graph_wrappers:
+            # One workspace per bucket: a wrapper's plan writes its scheduling data there, and each
+            # captured graph reads its own wrapper's.
+            workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.workspace.device)
+            self.graph_wrappers[bs] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=batch.kv_indptr,
+                paged_kv_indices_buffer=batch.kv_indices, paged_kv_last_page_len_buffer=batch.kv_last_page_len)
+        return self.graph_wrappers[bs]
 
     def plan(self, batch) -> None:
         super().plan(batch)
         if batch.kind == "decode":
+            self.active = self._graph_wrapper(batch) if batch.static else self.wrapper
             k = self.kv.k[0]
-            self.wrapper.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, self.num_heads,
-                              k.shape[2], self.head_dim, k.shape[1], q_data_type=k.dtype, sm_scale=self.scale)
+            self.active.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, self.num_heads,
+                             k.shape[2], self.head_dim, k.shape[1], q_data_type=k.dtype, sm_scale=self.scale)
 
     def decode(self, layer_id, q_BHD, k_cache, v_cache):
-        return self.wrapper.run(q_BHD.contiguous(), (k_cache, v_cache))
+        return self.active.run(q_BHD.contiguous(), (k_cache, v_cache))

@@ -1,7 +1,8 @@
 """Reference decode backend: gather each sequence's K/V into a padded [B, S_max] batch and run SDPA.
 
 The oracle of the engine: runs anywhere, no custom kernels. plan() builds the gather index
-and padding mask once per step; every layer reuses them.
+and padding mask once per step; every layer reuses them. Not graph-safe: the gather's shape
+follows the step's longest context (a host value).
 """
 
 from __future__ import annotations

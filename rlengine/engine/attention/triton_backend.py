@@ -1,4 +1,9 @@
-"""GPU (or interpreter) decode backend: rlengine's own Triton split-KV paged-decode kernel."""
+"""GPU (or interpreter) decode backend: rlengine's own Triton split-KV paged-decode kernel.
+
+graph_safe: the kernel reads the page tables from device tensors and each sequence splits its
+own pages, so the launch depends only on the batch size and on max_num_pages, which a graph
+bucket's batch fixes at capture (the per-sequence capacity).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from rlengine.engine.attention.base import AttentionBackend
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    graph_safe = True
 
     @staticmethod
     def unavailable_reason(device: torch.device) -> str | None:

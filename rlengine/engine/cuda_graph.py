@@ -1,0 +1,213 @@
+"""Decode steps replayed from CUDA graphs, one graph per padded batch-size bucket.
+
+At small B_act a decode step is mostly kernel-launch and Python overhead (PAPER.md: decode is
+latency-bound there), so the engine captures the model forward of a decode step once per
+batch bucket and replays it. The contract of a captured step:
+
+- Inputs live in fixed buffers: ids / positions / slots [3, max_bs] and the page tables
+  (indptr [max_bs+1], last_page_len [max_bs], indices [max_bs * max_pages_per_seq]). fill()
+  writes a step's values there before each replay: two host-to-device copies.
+- A batch of B sequences runs in the smallest bucket >= B. Rows B..bucket-1 are padding: token
+  0 at position 0, one page (the cache's null block) of one token, so their K/V writes land in
+  the null block and touch no sequence's cache.
+- The attention backend's plan() runs outside the graph, on the bucket's static ForwardBatch.
+  Its host fields (context_lens, max_num_pages) are capture-time placeholders, so only a
+  backend whose decode reads nothing but device tensors may be captured (`graph_safe`).
+- Sampling runs outside the graph on logits[:B]; MoE routing ids (when recorded) are graph
+  outputs too.
+- Weights are captured by address: in-place updates (optimizer steps, load_state_dict) are
+  seen by the next replay; rebinding a parameter's .data is not.
+
+StaticReplay is the CPU stand-in for torch.cuda.CUDAGraph with the same contract (replay reads
+only the fixed buffers and the capture-time batch), so the bucketing, padding and buffer logic
+is tested on machines without a GPU; only the capture itself needs CUDA.
+Dimension legend: B sequences in the step, bs bucket size, V vocab, L MoE layers, K top-k.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from rlengine.engine.attention import AttentionBackend
+from rlengine.engine.kv_cache import KVCache
+from rlengine.engine.sequence import Sequence
+from rlengine.model.qwen3 import Qwen3ForCausalLM
+from rlengine.types import ForwardBatch
+
+GraphOutput = tuple[torch.Tensor, torch.Tensor | None]  # logits [bs, V], routing ids [bs, L, K] or None
+
+
+def bucket_sizes(max_bs: int) -> list[int]:
+    """Captured batch sizes: 1, 2, 4, then every multiple of 8, then max_bs itself (as vLLM)."""
+    sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs, 8))
+    return sizes + [max_bs]
+
+
+class CudaGraph:
+    """One captured decode step on the current CUDA stream, in a memory pool shared by all buckets."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.graph = torch.cuda.CUDAGraph()
+        self.out: GraphOutput | None = None
+
+    def capture(self, fn: Callable[[], GraphOutput]) -> None:
+        fn()  # warm-up outside the graph: Triton JIT, cuBLAS workspaces, lazy allocations
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.out = fn()
+        torch.cuda.synchronize()
+
+    def replay(self) -> GraphOutput:
+        self.graph.replay()
+        return self.out
+
+
+class StaticReplay:
+    """CPU stand-in for CudaGraph: replay() re-runs the captured function on the fixed buffers.
+
+    Like a CUDA graph it sees the step only through the buffers fill() wrote and the batch
+    object planned at capture, so a host value that leaked into decode would show up as wrong
+    tokens in the tests. It cannot detect a host sync inside the captured region: only a real
+    capture does (tests/test_gpu.py).
+    """
+
+    def __init__(self, pool=None):
+        self.fn: Callable[[], GraphOutput] | None = None
+        self.out: GraphOutput | None = None
+
+    def capture(self, fn: Callable[[], GraphOutput]) -> None:
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self) -> GraphOutput:
+        self.out = self.fn()
+        return self.out
+
+
+def unsupported_reason(model: Qwen3ForCausalLM, backend: AttentionBackend) -> str | None:
+    """Why decode steps of this model and backend cannot be captured, or None if they can."""
+    if not backend.graph_safe:
+        return f"the {backend.name} attention backend is not graph-safe (its decode reads host values)"
+    ref = [b for b in model.moe_blocks() if b.impl == "ref"]
+    if ref:
+        return ("the MoE experts run the plain-torch reference (moe_impl='ref'), which syncs with the host; "
+                "use moe_impl='triton'")
+    return None
+
+
+class DecodeGraphs:
+    """Per-bucket captured decode forwards over fixed input buffers; captured lazily on first use."""
+
+    def __init__(self, model: Qwen3ForCausalLM, backend: AttentionBackend, kv_cache: KVCache, *,
+                 max_bs: int, max_pages_per_seq: int, record_routing: bool = False,
+                 sizes: list[int] | None = None, graph_cls: type = CudaGraph):
+        reason = unsupported_reason(model, backend)
+        if reason:
+            raise ValueError(f"decode CUDA graphs: {reason}")
+        self.sizes = sorted(set(sizes)) if sizes else bucket_sizes(max_bs)
+        if self.sizes[0] < 1 or self.sizes[-1] > max_bs:
+            raise ValueError(f"decode CUDA graph sizes must lie in [1, max_num_seqs={max_bs}], got {self.sizes}")
+        self.model, self.backend = model, backend
+        self.max_bs, self.max_pages = self.sizes[-1], max_pages_per_seq
+        self.record_routing = record_routing
+        self.moe_blocks = model.moe_blocks()
+        self.graph_cls = graph_cls
+        self.pool = torch.cuda.graph_pool_handle() if graph_cls is CudaGraph else None
+        self.null_block, self.P = kv_cache.null_block, kv_cache.block_size
+        device = model.device
+        n = self.max_bs
+        self.i64 = torch.zeros(3, n, dtype=torch.int64, device=device)            # ids | positions | slots
+        self.i32 = torch.zeros(2 * n + 1 + n * max_pages_per_seq, dtype=torch.int32, device=device)
+        self.graphs: dict[int, object] = {}
+        self.batches: dict[int, ForwardBatch] = {}
+        self.num_replays = 0
+
+    def bucket(self, batch_size: int) -> int | None:
+        """The smallest captured size >= batch_size, or None if the batch is larger than every bucket."""
+        for bs in self.sizes:
+            if bs >= batch_size:
+                return bs
+        return None
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        n = self.max_bs
+        return ForwardBatch(
+            kind="decode", input_ids=self.i64[0, :bs], positions=self.i64[1, :bs], slot_mapping=self.i64[2, :bs],
+            qo_indptr=list(range(bs + 1)), kv_indptr=self.i32[:bs + 1], kv_last_page_len=self.i32[n + 1:n + 1 + bs],
+            kv_indices=self.i32[2 * n + 1:], context_lens=[1] * bs, logits_indices=None,
+            max_num_pages=self.max_pages, static=True,
+        )
+
+    def fill(self, seqs: list[Sequence], bs: int) -> None:
+        """Write one decode step of `seqs` into the buffers, padded to bucket bs with null-block rows."""
+        P, null, n = self.P, self.null_block, self.max_bs
+        ids, positions, slots, indptr, last_len, indices = [], [], [], [0], [], []
+        for seq in seqs:
+            pos = len(seq) - 1
+            table = seq.block_table
+            ids.append(seq.token_ids[-1])
+            positions.append(pos)
+            slots.append(table[pos // P] * P + pos % P)
+            pages = pos // P + 1
+            if pages > self.max_pages:
+                raise ValueError(f"sequence of {len(seq)} tokens needs {pages} pages, more than the "
+                                 f"{self.max_pages} a decode graph was sized for")
+            indices.extend(table[:pages])
+            indptr.append(len(indices))
+            last_len.append(pos + 1 - (pages - 1) * P)
+        pad = bs - len(seqs)
+        ids += [0] * pad
+        positions += [0] * pad
+        slots += [null * P] * pad
+        indices += [null] * pad
+        indptr += range(indptr[-1] + 1, indptr[-1] + pad + 1)
+        last_len += [1] * pad
+        rest = n - bs
+        i64 = torch.tensor([ids + [0] * rest, positions + [0] * rest, slots + [0] * rest], dtype=torch.int64)
+        i32 = torch.tensor(indptr + [0] * rest + last_len + [0] * rest + indices, dtype=torch.int32)
+        non_blocking = self.i64.device.type == "cuda"
+        self.i64.copy_(i64, non_blocking=non_blocking)
+        self.i32[:i32.numel()].copy_(i32, non_blocking=non_blocking)
+
+    def _forward(self, fb: ForwardBatch) -> GraphOutput:
+        hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend)
+        logits = self.model.compute_logits(hidden_TC)
+        ids = torch.stack([b.last_ids for b in self.moe_blocks], dim=1) if self.record_routing else None
+        return logits, ids
+
+    @torch.inference_mode()
+    def capture(self, bs: int) -> None:
+        """Capture the decode forward for bucket bs (its buffers filled with padding rows only)."""
+        if bs in self.graphs:
+            return
+        self.fill([], bs)
+        fb = self._static_batch(bs)
+        for block in self.moe_blocks:
+            block.record_ids = self.record_routing
+        self.backend.plan(fb)
+        graph = self.graph_cls(self.pool)
+        graph.capture(lambda: self._forward(fb))
+        self.graphs[bs], self.batches[bs] = graph, fb
+
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first (so smaller graphs reuse the shared pool's memory)."""
+        for bs in reversed(self.sizes):
+            self.capture(bs)
+
+    def run(self, seqs: list[Sequence]) -> GraphOutput:
+        """One decode step of len(seqs) <= max_bs sequences -> (logits [B, V], routing ids [B, L, K] or None)."""
+        B = len(seqs)
+        bs = self.bucket(B)
+        if bs is None:
+            raise ValueError(f"decode graph batch of {B} exceeds the largest bucket {self.max_bs}")
+        self.capture(bs)
+        self.fill(seqs, bs)
+        for block in self.moe_blocks:
+            block.record_ids = self.record_routing
+        self.backend.plan(self.batches[bs])
+        logits, ids = self.graphs[bs].replay()
+        self.num_replays += 1
+        return logits[:B], None if ids is None else ids[:B]
