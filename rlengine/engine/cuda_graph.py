@@ -13,15 +13,16 @@ batch bucket and replays it. The contract of a captured step:
 - The attention backend's plan() runs outside the graph, on the bucket's static ForwardBatch.
   Its host fields (context_lens, max_num_pages) are capture-time placeholders, so only a
   backend whose decode reads nothing but device tensors may be captured (`graph_safe`).
-- Sampling runs outside the graph on logits[:B]; MoE routing ids (when recorded) are graph
-  outputs too.
+- The graph ends at the final norm's hidden states [bs, C]: the LM head runs eagerly on the B
+  real rows (no logits for padding rows, and no [bs, V] buffer kept alive per bucket), then
+  sampling. MoE routing ids (when recorded) are graph outputs too.
 - Weights are captured by address: in-place updates (optimizer steps, load_state_dict) are
   seen by the next replay; rebinding a parameter's .data is not.
 
 StaticReplay is the CPU stand-in for torch.cuda.CUDAGraph with the same contract (replay reads
 only the fixed buffers and the capture-time batch), so the bucketing, padding and buffer logic
 is tested on machines without a GPU; only the capture itself needs CUDA.
-Dimension legend: B sequences in the step, bs bucket size, V vocab, L MoE layers, K top-k.
+Dimension legend: B sequences in the step, bs bucket size, C hidden, V vocab, L MoE layers, K top-k.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from rlengine.engine.sequence import Sequence
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.types import ForwardBatch
 
-GraphOutput = tuple[torch.Tensor, torch.Tensor | None]  # logits [bs, V], routing ids [bs, L, K] or None
+GraphOutput = tuple[torch.Tensor, torch.Tensor | None]  # hidden [bs, C], routing ids [bs, L, K] or None
 
 
 def bucket_sizes(max_bs: int) -> list[int]:
@@ -174,9 +175,8 @@ class DecodeGraphs:
 
     def _forward(self, fb: ForwardBatch) -> GraphOutput:
         hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend)
-        logits = self.model.compute_logits(hidden_TC)
         ids = torch.stack([b.last_ids for b in self.moe_blocks], dim=1) if self.record_routing else None
-        return logits, ids
+        return hidden_TC, ids
 
     @torch.inference_mode()
     def capture(self, bs: int) -> None:
@@ -198,7 +198,7 @@ class DecodeGraphs:
             self.capture(bs)
 
     def run(self, seqs: list[Sequence]) -> GraphOutput:
-        """One decode step of len(seqs) <= max_bs sequences -> (logits [B, V], routing ids [B, L, K] or None)."""
+        """One decode step of len(seqs) <= max_bs sequences -> (hidden [B, C], routing ids [B, L, K] or None)."""
         B = len(seqs)
         bs = self.bucket(B)
         if bs is None:
@@ -208,6 +208,6 @@ class DecodeGraphs:
         for block in self.moe_blocks:
             block.record_ids = self.record_routing
         self.backend.plan(self.batches[bs])
-        logits, ids = self.graphs[bs].replay()
+        hidden, ids = self.graphs[bs].replay()
         self.num_replays += 1
-        return logits[:B], None if ids is None else ids[:B]
+        return hidden[:B], None if ids is None else ids[:B]

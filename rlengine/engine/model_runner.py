@@ -77,7 +77,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[float]]:
         """Forward + sample. Returns the sequences that receive a token (siblings included), tokens, log-probs."""
         if batch.kind == "decode" and self.graphs is not None and self.graphs.bucket(len(batch.seqs)):
-            logits_BV, ids_BLK = self.graphs.run(batch.seqs)
+            hidden_BC, ids_BLK = self.graphs.run(batch.seqs)
+            logits_BV = self.model.compute_logits(hidden_BC)
             if ids_BLK is not None:
                 self._store_routing(batch, ids_BLK.cpu(), list(range(len(batch.seqs) + 1)))
             return batch.seqs, *self.sampler(logits_BV, batch.seqs)

@@ -34,8 +34,9 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(kv_cache, num_heads, head_dim, max_num_seqs)
         import flashinfer
 
+        # zeros: recent FlashInfer versions require the workspace zeroed before its first use
         self._flashinfer = flashinfer
-        self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=kv_cache.data.device)
+        self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=kv_cache.data.device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.graph_wrappers: dict[int, object] = {}  # batch bucket -> wrapper over that bucket's buffers
         self.active = self.wrapper
@@ -45,7 +46,7 @@ class FlashInferBackend(AttentionBackend):
         if bs not in self.graph_wrappers:
             # One workspace per bucket: a wrapper's plan writes its scheduling data there, and each
             # captured graph reads its own wrapper's.
-            workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.workspace.device)
+            workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.workspace.device)
             self.graph_wrappers[bs] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=batch.kv_indptr,
                 paged_kv_indices_buffer=batch.kv_indices, paged_kv_last_page_len_buffer=batch.kv_last_page_len)
