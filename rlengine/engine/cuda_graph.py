@@ -186,7 +186,7 @@ class DecodeGraphs:
         self.fill([], bs)
         fb = self._static_batch(bs)
         for block in self.moe_blocks:
-            block.record_ids = self.record_routing
+            block.record_ids, block.replay_ids = self.record_routing, None
         self.backend.plan(fb)
         graph = self.graph_cls(self.pool)
         graph.capture(lambda: self._forward(fb))
@@ -206,7 +206,7 @@ class DecodeGraphs:
         self.capture(bs)
         self.fill(seqs, bs)
         for block in self.moe_blocks:
-            block.record_ids = self.record_routing
+            block.record_ids, block.replay_ids = self.record_routing, None
         self.backend.plan(self.batches[bs])
         hidden, ids = self.graphs[bs].replay()
         self.num_replays += 1

@@ -84,8 +84,8 @@ class ModelRunner:
             return batch.seqs, *self.sampler(logits_BV, batch.seqs)
         fb = self.prepare(batch)
         self.backend.plan(fb)
-        for block in self.moe_blocks:
-            block.record_ids = self.record_routing
+        for block in self.moe_blocks:  # the engine routes by itself: no learner replay ids may linger
+            block.record_ids, block.replay_ids = self.record_routing, None
         hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend)
         if fb.logits_indices is not None:
             hidden_TC = hidden_TC[fb.logits_indices]

@@ -66,6 +66,8 @@ class Trainer:
                        record_routing=g.record_routing, **common)
         self.eval_llm = LLM(self.model, max_num_seqs=min(256, cfg.task.num_eval * cfg.eval.k), seed=cfg.run.seed + 1,
                             **common)
+        for llm in (self.llm, self.eval_llm):  # GPU: capture decode graphs now, not inside timed steps
+            llm.capture_decode_graphs()
         self.learner = Learner(self.model, t, temperature=g.temperature, replay_routing=g.record_routing)
         self.sampler = PrioritySampler(len(self.task.train), cfg.run.seed, enabled=t.priority_sampling)
         params = SamplingParams(n=t.group_size, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
