@@ -127,7 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    from rlengine.config import ConfigError
+    from rlengine.model.loader import CheckpointError
+
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError) as exc:  # the user's input, not a bug: one line, no traceback
+        print(f"rlengine {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

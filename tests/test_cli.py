@@ -1,7 +1,9 @@
-"""The command line: every subcommand is documented in --help and the demo job runs."""
+"""The command line: every subcommand is documented in --help, the demo job runs, bad input is one line."""
 
 import subprocess
 import sys
+
+import pytest
 
 from rlengine.cli import build_parser, main
 
@@ -17,3 +19,16 @@ def test_help_lists_every_subcommand():
 def test_demo_runs_on_tiny_preset(capsys):
     assert main(["demo", "--max-tokens", "4"]) == 0
     assert "prompt '12+34='" in capsys.readouterr().out
+
+
+def test_bad_config_input_is_one_line_error_not_a_traceback(capsys):
+    assert main(["train", "run.seed=1"]) == 2
+    err = capsys.readouterr().err
+    assert "must look like --section.key VALUE" in err and "Traceback" not in err
+    assert main(["train", "--model.nope", "3"]) == 2
+    assert "unknown config key(s) model.nope" in capsys.readouterr().err
+
+
+def test_resume_from_a_non_run_directory_names_it(tmp_path):
+    with pytest.raises(SystemExit, match="no config.json there"):
+        main(["train", "--resume", str(tmp_path)])
