@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-CPP_OPS = ("rms_norm", "store_kvcache", "paged_decode", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul")
+CPP_OPS = ("rms_norm", "store_kvcache", "paged_decode", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul",
+           "skinny_linear")
 
 try:
     from rlengine import _C  # noqa: F401  (import registers torch.ops.rlengine.*)

@@ -114,3 +114,31 @@ def test_everything_runs_without_the_extension():
     assert res.stdout.strip() == "ok"
     notice = [ln for ln in res.stderr.splitlines() if "C++ extension not built" in ln]
     assert len(notice) == 1 and "rms_norm" in notice[0] and "torch fallbacks" in notice[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("N,K", [(64, 512), (7, 37), (130, 1000), (1, 16)], ids=["even", "tails", "wide-k", "one-row"])
+def test_skinny_linear_matches_linear(dtype, B, N, K):
+    """Every row count (the kernel's and the at::linear fallback's), K not a multiple of 16, N not of 4."""
+    gen = torch.Generator().manual_seed(B * 1000 + N + K)
+    x = torch.randn(B, K, generator=gen).to(dtype)
+    w = torch.randn(N, K, generator=gen).to(dtype)
+    with torch.inference_mode():
+        got = torch.ops.rlengine.skinny_linear(x, w)
+    ref = (x.double() @ w.double().t()).to(dtype)
+    assert got.shape == (B, N) and got.dtype == dtype
+    # fp32: reassociation only; bf16: one rounding of an fp32-accumulated sum
+    atol, rtol = (1e-4, 1e-5) if dtype == torch.float32 else (2e-2 * K ** 0.5, 8e-3)
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+
+
+def test_skinny_linear_strided_input_and_autograd_fallback():
+    x = torch.randn(3, 80)[:, :40]  # row stride 80
+    w = torch.randn(9, 40)
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.ops.rlengine.skinny_linear(x, w), x @ w.t(), atol=1e-5, rtol=1e-5)
+    wg = w.clone().requires_grad_()
+    y = torch.ops.rlengine.skinny_linear(x, wg)  # grad mode: at::linear, recorded by autograd as usual
+    y.sum().backward()
+    torch.testing.assert_close(wg.grad, x.sum(0).expand(9, 40), atol=1e-5, rtol=1e-5)

@@ -26,7 +26,15 @@ from rlengine.model.moe import SparseMoeBlock
 # Inference fast path on the CPU (no autograd): fused C++ ops from csrc/fused_ops.cpp replace the
 # elementwise chains of each layer (residual add + RMSNorm, q/k norm + RoPE, SiLU * up), which
 # dominate a small model's decode step through per-op dispatch cost. Same math as the torch path.
+# The projections on that path go through the C++ skinny linear (csrc/skinny_linear.cpp): a
+# weight-streaming GEMV kernel for the few-row matmuls of decode, torch's linear otherwise.
 _FUSED = all(_ext.has_op(op) for op in ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul"))
+_SKINNY = _ext.has_op("skinny_linear")
+
+
+def _linear_nograd(x_TC: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T on the CPU inference path (no bias)."""
+    return torch.ops.rlengine.skinny_linear(x_TC, w) if _SKINNY else F.linear(x_TC, w)
 
 
 class Attention(nn.Module):
@@ -53,12 +61,13 @@ class Attention(nn.Module):
     def forward_fused(self, x_TC, positions_T, rope_table, ctx: AttentionContext):
         """CPU no-grad path: one C++ op for q/k RMSNorm + RoPE straight from the qkv projection."""
         T = x_TC.shape[0]
-        qkv = F.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = (_linear_nograd(x_TC, self.qkv_proj.weight) if self.qkv_proj.bias is None
+               else F.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias))
         q, k = torch.ops.rlengine.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope_table, positions_T,
                                                self.num_heads, self.num_kv_heads, self.q_norm.eps)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         o_THD = ctx.attend(self.layer_id, q, k, v)
-        return F.linear(o_THD.reshape(T, self.q_size), self.o_proj.weight)
+        return _linear_nograd(o_THD.reshape(T, self.q_size), self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -92,7 +101,8 @@ class DecoderLayer(nn.Module):
         h = ops.fused_add_rms_norm(h, residual_TC, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps)
         if isinstance(self.mlp, SwiGLUMLP):
-            h = F.linear(ops.silu_and_mul(F.linear(h, self.mlp.gate_up_proj.weight)), self.mlp.down_proj.weight)
+            h = _linear_nograd(ops.silu_and_mul(_linear_nograd(h, self.mlp.gate_up_proj.weight)),
+                               self.mlp.down_proj.weight)
         else:
             h = self.mlp(h)
         return h, residual_TC
@@ -171,6 +181,8 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model(input_ids_T, positions_T, ctx)
 
     def compute_logits(self, hidden_TC: torch.Tensor) -> torch.Tensor:
+        if _SKINNY and hidden_TC.device.type == "cpu" and not torch.is_grad_enabled():
+            return _linear_nograd(hidden_TC, self.lm_head.weight)
         return self.lm_head(hidden_TC)
 
     def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
