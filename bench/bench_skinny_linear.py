@@ -4,6 +4,8 @@ y[B, N] = x[B, K] @ w[N, K]^T for B_act = 1, 2, 4 (the CPU decode path's weight 
 projection shapes of the qwen3-30m and qwen3-0.6b presets, fp32 and bf16. Each timed call walks
 a ring of distinct weight matrices (>= 64 MB in all), so the weights come from memory, not from a
 warm cache, as in a real decode step. Reports median us per call, weight GB/s and the speedup.
+--decode adds the end-to-end view: mean decode-step time of the engine (qwen3-30m, cpp backend,
+32-token prompts, 32 new tokens) with the skinny linear on and off, alternating in one process.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rlengine import _ext
+import rlengine.model.qwen3 as qwen3
+from rlengine import LLM, SamplingParams, _ext
 from rlengine.config import preset
 
 from bench.harness import measure, report
@@ -31,12 +34,39 @@ def _shapes(name: str) -> dict[str, tuple[int, int]]:
             "down": (C, c.intermediate_size), "lm_head": (c.vocab_size, C)}
 
 
+def _decode_ab(dtypes: list[str], batches: list[int], reps: int) -> list[dict]:
+    """Engine decode step time with the skinny linear on vs off (qwen3._SKINNY), alternating."""
+    rows = []
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for dname in dtypes:
+        model = qwen3.Qwen3ForCausalLM(preset("qwen3-30m"), dtype=DTYPES[dname])
+        llm = LLM(model, max_num_seqs=max(batches), max_model_len=80, attention_backend="cpp")
+        for B in batches:
+            prompts = torch.randint(3, 4000, (B, 32), generator=torch.Generator().manual_seed(B)).tolist()
+            ms = {True: [], False: []}
+            for rep in range(reps + 1):
+                for on in (True, False):
+                    qwen3._SKINNY = on
+                    trace = llm.generate(prompts, params).trace
+                    steps = [r.seconds for r in trace if r.kind == "decode"]
+                    if rep:  # the first round is warm-up
+                        ms[on].append(1e3 * sum(steps) / len(steps))
+            qwen3._SKINNY = _ext.has_op("skinny_linear")
+            on, off = sorted(ms[True])[len(ms[True]) // 2], sorted(ms[False])[len(ms[False]) // 2]
+            rows.append({"model": "qwen3-30m", "proj": "decode step", "dtype": dname, "B": B, "torch_us": 1e3 * off,
+                         "skinny_us": 1e3 * on, "speedup": off / on})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-30m,qwen3-0.6b")
     p.add_argument("--batches", default="1,2,4")
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--decode", action="store_true", help="also time whole decode steps with the op on / off")
+    p.add_argument("--decode-batches", default="1,2,4,8")
     p.add_argument("--out", default=None, help="output folder for the JSON (default bench/results)")
     args = p.parse_args(argv)
     if not _ext.has_op("skinny_linear"):
@@ -65,6 +95,8 @@ def main(argv=None) -> None:
                     row["speedup"] = row["torch_us"] / row["skinny_us"]
                     rows.append(row)
                     print(rows[-1], flush=True)
+    if args.decode:
+        rows += _decode_ab(args.dtypes.split(","), [int(b) for b in args.decode_batches.split(",")], reps=5)
     report("bench_skinny_linear", rows, out=args.out,
            columns=["model", "proj", "N", "K", "dtype", "B", "torch_us", "skinny_us", "skinny_GBps", "speedup"])
 

@@ -5,9 +5,10 @@
 // 16-wide chunk of them once and applies it to all B input rows (4*B independent fp32
 // accumulators, so the FMA latency chain never stalls the stream). bf16 weights are widened to
 // fp32 in registers; accumulation is fp32, the output is rounded once to x's dtype.
-// Row limits come from bench/bench_skinny_linear.py (against torch's linear, weights from memory):
-// fp32 B=1 1.1-1.7x, B=2 0.93-1.09x, B=4 1.0-1.8x; bf16 B=1 1.1-2.2x, B=2 1.06-2.19x, B=4
-// 0.82-1.3x. So fp32 takes B <= 4 and bf16 B <= 2. Anything else (more rows, other dtypes, no
+// Row limits come from bench/bench_skinny_linear.py. Alone, against torch's linear with the
+// weights coming from memory: fp32 B=1 1.1-1.7x, B=2 0.95-1.3x, B=4 1.1-1.6x; bf16 B=1 1.4-2.1x,
+// B=2 1.4-2.2x, B=4 0.93-0.98x. Inside a qwen3-30m decode step (its --decode part) bf16 B=4 is
+// still 1.2x faster, so both dtypes take B <= 4. Anything else (more rows, other dtypes, no
 // AVX-512 at build time, a non-contiguous weight, autograd) goes to at::linear, so callers can
 // use this op unconditionally on the no-grad CPU path.
 #include <torch/extension.h>
@@ -21,8 +22,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRowsFp32 = 4;
-constexpr int64_t kMaxRowsBf16 = 2;
+constexpr int64_t kMaxRows = 4;
 
 #ifdef RLENGINE_SKINNY_AVX512
 
@@ -81,9 +81,8 @@ void dispatch_rows(int64_t B, const float* xf, const W* w, W* y, int64_t N, int6
 bool supported(const torch::Tensor& x, const torch::Tensor& w) {
 #ifdef RLENGINE_SKINNY_AVX512
   const auto dt = x.scalar_type();
-  const int64_t max_rows = dt == torch::kFloat ? kMaxRowsFp32 : kMaxRowsBf16;
   return x.device().is_cpu() && w.device().is_cpu() && x.dim() == 2 && w.dim() == 2 && x.size(0) >= 1 &&
-         x.size(0) <= max_rows && x.size(1) == w.size(1) && w.scalar_type() == dt &&
+         x.size(0) <= kMaxRows && x.size(1) == w.size(1) && w.scalar_type() == dt &&
          (dt == torch::kFloat || dt == torch::kBFloat16) && w.is_contiguous() &&
          x.size(1) > 0 && !(at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad()));
 #else
