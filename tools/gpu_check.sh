@@ -8,7 +8,10 @@ OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.limit,driver_version --format=csv | tee "$OUT/gpu.txt"
-pip install --no-build-isolation -q -e ".[test]" 2>&1 | tail -2
+# --no-deps: the device machine reaches no package index; its image already holds torch, triton,
+# transformers, safetensors, tokenizers, rich, nvidia-ml-py and pytest (math-verify is imported lazily).
+pip install --no-build-isolation --no-deps -q -e . 2>&1 | tail -2
+python -c "import rlengine._ext as e; print('C++ ops:', [op for op in e.CPP_OPS if e.has_op(op)])"
 timeout 180 python -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log"
 timeout 60 rlengine bench ceilings --device cuda --out "$OUT"
 timeout 90 python bench/bench_paged_decode.py --full --out "$OUT"
