@@ -67,6 +67,7 @@ class GenSection:
     backend: str = "auto"
     max_lag: int = 1                     # drop partial rollouts older than this many updates (async)
     record_routing: bool = False         # MoE routing replay
+    enforce_eager: bool = False          # GPU: no CUDA graphs for decode steps
 
     def __post_init__(self):
         _check(self.b_gen >= 0, f"gen.b_gen must be >= 0, got {self.b_gen}")

@@ -61,7 +61,7 @@ class Trainer:
         g, t = cfg.gen, cfg.train
         max_len = max(len(self.tok.encode(p.prompt)) for p in self.task.train + self.task.eval) + g.max_tokens + 1
         common = dict(block_size=g.block_size, max_model_len=min(max_len, self.model.config.max_position_embeddings),
-                      attention_backend=g.backend)
+                      attention_backend=g.backend, enforce_eager=g.enforce_eager)
         self.llm = LLM(self.model, max_num_seqs=g.b_gen, num_kv_blocks=g.num_kv_blocks or None, seed=cfg.run.seed,
                        record_routing=g.record_routing, **common)
         self.eval_llm = LLM(self.model, max_num_seqs=min(256, cfg.task.num_eval * cfg.eval.k), seed=cfg.run.seed + 1,
