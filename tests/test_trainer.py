@@ -126,3 +126,10 @@ def test_async_partial_rollouts_record_policy_lag(tmp_path):
     history0 = [r for r in Trainer(cfg0).run() if r["update"] > 0]
     assert sum(r["stale_dropped"] for r in history0) > 0
     assert all(r["policy_lag_max"] == 0 for r in history0)
+
+
+def test_gen_enforce_eager_reaches_both_engines(tmp_path):
+    tr = Trainer(_cfg(tmp_path, "eager", ["--gen.enforce_eager", "true"]))
+    assert tr.llm.cuda_graphs_off == tr.eval_llm.cuda_graphs_off == "enforce_eager=True"
+    default = Trainer(_cfg(tmp_path, "graphs"))
+    assert "CUDA device" in default.llm.cuda_graphs_off  # this CPU: graphs off, and it says why
