@@ -96,3 +96,17 @@ def test_cuda_graphs_capture_all_and_see_weight_updates():
     eager = LLM(model, max_num_seqs=16, attention_backend="triton", enforce_eager=True)
     assert after == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     assert after != before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_fast_path_matches_plain_forward_on_gpu(dtype):
+    from rlengine.model import qwen3
+
+    assert qwen3.fused_ops_for(torch.device("cuda")) is qwen3.triton_ops()
+    model = Qwen3ForCausalLM(preset("qwen3-30m"), device="cuda", dtype=dtype)
+    ids = torch.randint(3, 4000, (2, 40), device="cuda")
+    want = model(ids)                    # grad mode: the plain torch path
+    with torch.no_grad():
+        got = model(ids)                 # no grad on CUDA: the Triton fast path
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), want.detach().float(), atol=tol, rtol=tol)

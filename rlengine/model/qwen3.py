@@ -13,6 +13,10 @@ D head dim, F FFN, E experts, K top-k, V vocab.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,11 +27,12 @@ from rlengine.model.attention import AttentionContext, DenseCausal, PackedCausal
 from rlengine.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
 from rlengine.model.moe import SparseMoeBlock
 
-# Inference fast path on the CPU (no autograd): fused C++ ops from csrc/fused_ops.cpp replace the
-# elementwise chains of each layer (residual add + RMSNorm, q/k norm + RoPE, SiLU * up), which
-# dominate a small model's decode step through per-op dispatch cost. Same math as the torch path.
-# The projections on that path go through the C++ skinny linear (csrc/skinny_linear.cpp): a
-# weight-streaming GEMV kernel for the few-row matmuls of decode, torch's linear otherwise.
+# Inference fast path (no autograd): fused kernels replace the elementwise chains of each layer
+# (residual add + RMSNorm, q/k norm + RoPE, SiLU * up), which dominate a small model's decode step
+# through per-op dispatch (CPU) or per-kernel launch (GPU) cost. Same math as the torch path.
+# CPU: the C++ ops of csrc/fused_ops.cpp, and projections through the C++ skinny linear
+# (csrc/skinny_linear.cpp), a weight-streaming GEMV for the few-row matmuls of decode.
+# GPU: the Triton kernels of kernels/fused_norm.py (capturable in the decode CUDA graphs).
 _FUSED = all(_ext.has_op(op) for op in ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul"))
 _SKINNY = _ext.has_op("skinny_linear")
 
@@ -35,6 +40,47 @@ _SKINNY = _ext.has_op("skinny_linear")
 def _linear_nograd(x_TC: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T on the CPU inference path (no bias)."""
     return torch.ops.rlengine.skinny_linear(x_TC, w) if _SKINNY else F.linear(x_TC, w)
+
+
+@dataclass(frozen=True, slots=True)
+class FusedOps:
+    """The kernels of the no-grad fast path, one set per device with the same signatures:
+    the C++ ops on the CPU, kernels/fused_norm.py (Triton) on a GPU."""
+
+    rms_norm: Callable
+    fused_add_rms_norm: Callable
+    qk_norm_rope: Callable
+    silu_and_mul: Callable
+    linear: Callable  # x @ w.T without bias
+
+
+_CPU_OPS = FusedOps(
+    rms_norm=lambda x, w, eps: torch.ops.rlengine.rms_norm(x, w, eps),
+    fused_add_rms_norm=lambda x, r, w, eps: torch.ops.rlengine.fused_add_rms_norm(x, r, w, eps),
+    qk_norm_rope=lambda *a: torch.ops.rlengine.qk_norm_rope(*a),
+    silu_and_mul=lambda x: torch.ops.rlengine.silu_and_mul(x),
+    linear=_linear_nograd,
+) if _FUSED else None
+
+
+@functools.cache
+def triton_ops() -> FusedOps | None:
+    """The Triton set (None without triton); also usable on the CPU under TRITON_INTERPRET=1 (tests)."""
+    try:
+        from rlengine.kernels import fused_norm
+    except ImportError:
+        return None
+    return FusedOps(fused_norm.rms_norm, fused_norm.fused_add_rms_norm, fused_norm.qk_norm_rope,
+                    fused_norm.silu_and_mul, F.linear)
+
+
+def fused_ops_for(device: torch.device) -> FusedOps | None:
+    """The fast path's kernels for `device`, or None to run the plain torch path."""
+    if device.type == "cpu":
+        return _CPU_OPS
+    if device.type == "cuda":
+        return triton_ops()
+    return None
 
 
 class Attention(nn.Module):
@@ -58,16 +104,16 @@ class Attention(nn.Module):
         o_THD = ctx.attend(self.layer_id, q, k, v.view(T, self.num_kv_heads, self.head_dim))
         return self.o_proj(o_THD.reshape(T, self.q_size))
 
-    def forward_fused(self, x_TC, positions_T, rope_table, ctx: AttentionContext):
-        """CPU no-grad path: one C++ op for q/k RMSNorm + RoPE straight from the qkv projection."""
+    def forward_fused(self, x_TC, positions_T, rope_table, ctx: AttentionContext, ops: FusedOps):
+        """No-grad path: one kernel for q/k RMSNorm + RoPE straight from the qkv projection."""
         T = x_TC.shape[0]
-        qkv = (_linear_nograd(x_TC, self.qkv_proj.weight) if self.qkv_proj.bias is None
+        qkv = (ops.linear(x_TC, self.qkv_proj.weight) if self.qkv_proj.bias is None
                else F.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias))
-        q, k = torch.ops.rlengine.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope_table, positions_T,
-                                               self.num_heads, self.num_kv_heads, self.q_norm.eps)
+        q, k = ops.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope_table, positions_T,
+                                self.num_heads, self.num_kv_heads, self.q_norm.eps)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         o_THD = ctx.attend(self.layer_id, q, k, v)
-        return _linear_nograd(o_THD.reshape(T, self.q_size), self.o_proj.weight)
+        return ops.linear(o_THD.reshape(T, self.q_size), self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -86,23 +132,21 @@ class DecoderLayer(nn.Module):
         x_TC = x_TC + self.self_attn(self.input_layernorm(x_TC), cos, sin, ctx)
         return x_TC + self.mlp(self.post_attention_layernorm(x_TC))
 
-    def forward_fused(self, out_TC, residual_TC, positions_T, rope_table, ctx):
+    def forward_fused(self, out_TC, residual_TC, positions_T, rope_table, ctx, ops: FusedOps):
         """vLLM-style residual stream: adds the previous sublayer output into `residual` in place.
 
         Returns (this layer's MLP output, residual); residual None means out_TC is the embedding.
         """
-        ops = torch.ops.rlengine
         if residual_TC is None:
             residual_TC = out_TC
             h = ops.rms_norm(out_TC, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
             h = ops.fused_add_rms_norm(out_TC, residual_TC, self.input_layernorm.weight, self.input_layernorm.eps)
-        h = self.self_attn.forward_fused(h, positions_T, rope_table, ctx)
+        h = self.self_attn.forward_fused(h, positions_T, rope_table, ctx, ops)
         h = ops.fused_add_rms_norm(h, residual_TC, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps)
         if isinstance(self.mlp, SwiGLUMLP):
-            h = _linear_nograd(ops.silu_and_mul(_linear_nograd(h, self.mlp.gate_up_proj.weight)),
-                               self.mlp.down_proj.weight)
+            h = ops.linear(ops.silu_and_mul(ops.linear(h, self.mlp.gate_up_proj.weight)), self.mlp.down_proj.weight)
         else:
             h = self.mlp(h)
         return h, residual_TC
@@ -120,18 +164,20 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids_T, positions_T, ctx: AttentionContext):
         x_TC = self.embed_tokens(input_ids_T)
-        if _FUSED and x_TC.device.type == "cpu" and not torch.is_grad_enabled():
-            return self._forward_fused(x_TC, positions_T, ctx)
+        ops = None if torch.is_grad_enabled() else fused_ops_for(x_TC.device)
+        if ops is not None:
+            return self.forward_fused(x_TC, positions_T, ctx, ops)
         cos, sin = self.rotary(positions_T, x_TC.dtype)
         for layer in self.layers:
             x_TC = layer(x_TC, cos, sin, ctx)
         return self.norm(x_TC)
 
-    def _forward_fused(self, x_TC, positions_T, ctx):
+    def forward_fused(self, x_TC, positions_T, ctx, ops: FusedOps):
+        """The no-grad fast path on embeddings x_TC, with the kernels in `ops` (fused_ops_for)."""
         out, residual = x_TC, None
         for layer in self.layers:
-            out, residual = layer.forward_fused(out, residual, positions_T, self.rotary.cos_sin, ctx)
-        return torch.ops.rlengine.fused_add_rms_norm(out, residual, self.norm.weight, self.norm.eps)
+            out, residual = layer.forward_fused(out, residual, positions_T, self.rotary.cos_sin, ctx, ops)
+        return ops.fused_add_rms_norm(out, residual, self.norm.weight, self.norm.eps)
 
 
 class Qwen3ForCausalLM(nn.Module):
