@@ -1,8 +1,9 @@
 """Loads the optional C++ extension (rlengine._C) and says once which ops fall back.
 
-The extension registers CPU ops as torch.ops.rlengine.<name>. When it is not built (a
-failed or skipped compile), every caller uses its plain-torch implementation instead;
-`has_op(name)` is how callers choose.
+The extension registers CPU ops as torch.ops.rlengine.<name> (csrc/*.cpp) and, in a build
+against a CUDA torch, CUDA implementations of some of them (csrc/cuda/*.cu). When it is not
+built (a failed or skipped compile), every caller uses its plain-torch implementation instead;
+`has_op(name)` and `has_cuda_op(name)` are how callers choose.
 """
 
 import sys
@@ -29,3 +30,8 @@ def has_op(name: str) -> bool:
     if not AVAILABLE:
         return False
     return hasattr(torch.ops.rlengine, name)
+
+
+def has_cuda_op(name: str) -> bool:
+    """True when torch.ops.rlengine.<name> also has a CUDA kernel (a GPU build of csrc/cuda/)."""
+    return has_op(name) and torch._C._dispatch_has_kernel_for_dispatch_key(f"rlengine::{name}", "CUDA")

@@ -110,3 +110,23 @@ def test_triton_fast_path_matches_plain_forward_on_gpu(dtype):
         got = model(ids)                 # no grad on CUDA: the Triton fast path
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), want.detach().float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_store_kvcache_matches_index_copy(dtype):
+    from rlengine import _ext
+
+    assert _ext.has_cuda_op("store_kvcache"), "the GPU build should include csrc/cuda/kv_cache.cu"
+    num_blocks, P, Hkv, D, T = 9, 16, 4, 128, 37
+    k_cache = torch.randn(num_blocks, P, Hkv, D, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    qkv = torch.randn(T, 3, Hkv, D, device="cuda", dtype=dtype)
+    k, v = qkv[:, 1], qkv[:, 2]  # strided token rows, as the model passes them
+    slots = torch.randperm(num_blocks * P, device="cuda")[:T]
+    slots[5] = -1
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    valid = slots >= 0
+    ref_k.view(-1, Hkv, D)[slots[valid]] = k[valid]
+    ref_v.view(-1, Hkv, D)[slots[valid]] = v[valid]
+    torch.ops.rlengine.store_kvcache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)

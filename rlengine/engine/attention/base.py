@@ -22,11 +22,16 @@ from rlengine.model.attention import PackedCausal
 from rlengine.types import ForwardBatch
 
 _CPP_STORE = _ext.has_op("store_kvcache")
+_CUDA_STORE = _ext.has_cuda_op("store_kvcache")
 
 
 def store_kv(k_TKD, v_TKD, k_cache, v_cache, slot_mapping_T) -> None:
-    """Write K/V rows [T, Hkv, D] into the paged cache at slot_mapping [T], in place (C++ op on CPU when built)."""
-    if _CPP_STORE and k_cache.is_cpu:
+    """Write K/V rows [T, Hkv, D] into the paged cache at slot_mapping [T], in place.
+
+    The extension's op when built for the device (csrc/kv_cache.cpp, csrc/cuda/kv_cache.cu: one
+    call for K and V), else two index_copy_.
+    """
+    if (_CPP_STORE and k_cache.is_cpu) or (_CUDA_STORE and k_cache.is_cuda):
         torch.ops.rlengine.store_kvcache(k_TKD, v_TKD, k_cache, v_cache, slot_mapping_T)
         return
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
