@@ -24,6 +24,19 @@ def _cmd_info(args) -> int:
 
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
     print(f"C++ extension: {'built' if _ext.AVAILABLE else 'not built (' + str(_ext.LOAD_ERROR) + ')'}")
+    if _ext.AVAILABLE:
+        cuda_ops = [op for op in _ext.CPP_OPS if _ext.has_cuda_op(op)]
+        print(f"  CPU ops: {', '.join(op for op in _ext.CPP_OPS if _ext.has_op(op))}")
+        print(f"  CUDA ops: {', '.join(cuda_ops) if cuda_ops else 'none (a CPU build of torch, or no nvcc)'}")
+    from rlengine.engine.attention import BACKENDS
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"attention backends on {device}:")
+    for name, cls in BACKENDS.items():
+        reason = cls.unavailable_reason(device) if hasattr(cls, "unavailable_reason") else None
+        print(f"  {name:10s} {'available' if reason is None else 'unavailable: ' + reason}")
+    graphs = "on by default (enforce_eager=True turns them off)" if device.type == "cuda" else "off (no CUDA device)"
+    print(f"decode CUDA graphs: {graphs}")
     print("presets:")
     for name in PRESETS:
         cfg = preset(name)

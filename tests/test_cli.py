@@ -32,3 +32,10 @@ def test_bad_config_input_is_one_line_error_not_a_traceback(capsys):
 def test_resume_from_a_non_run_directory_names_it(tmp_path):
     with pytest.raises(SystemExit, match="no config.json there"):
         main(["train", "--resume", str(tmp_path)])
+
+
+def test_info_lists_ops_and_attention_backends(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "skinny_linear" in out and "attention backends on cpu:" in out
+    assert "cpp        available" in out and "flashinfer unavailable: flashinfer needs a CUDA device" in out
