@@ -58,8 +58,8 @@ class PackedCausal:
     B launches), as long as padding at most doubles the work (B * S_max <= 2T). On the CPU,
     bench/bench_packed_attention.py measured padded forward + backward 1.0-5.2x faster than the
     loop (B 8-128, L 64-256; the gain grows with B) and a whole qwen3-30m GRPO step 1.24-1.28x
-    faster. A forward alone (the engine's prefill) was 0.72-1.38x, so CPU inference keeps the loop. layout="padded" / "loop"
-    forces one (benchmarks, tests).
+    faster. A forward alone (the engine's prefill) was 0.72-1.38x, so CPU inference keeps the loop.
+    layout="padded" / "loop" forces one (benchmarks, tests).
     """
 
     MAX_PAD_FACTOR = 2.0
