@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tol
+from conftest import store_kvcache_ref, tol
 from rlengine import _ext  # noqa: F401  (loads torch.ops.rlengine; fails loudly if the build is missing)
 from rlengine.model.layers import rms_norm_ref
 
@@ -31,10 +31,7 @@ def test_store_kvcache_writes_slots_and_skips_padding(dtype):
     k, v = torch.randn(T, Hkv, D, dtype=dtype), torch.randn(T, Hkv, D, dtype=dtype)
     slots = torch.randperm(num_blocks * P)[:T]
     slots[3] = -1
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    valid = slots >= 0
-    ref_k.view(-1, Hkv, D)[slots[valid]] = k[valid]
-    ref_v.view(-1, Hkv, D)[slots[valid]] = v[valid]
+    ref_k, ref_v = store_kvcache_ref(k, v, k_cache, v_cache, slots)
     torch.ops.rlengine.store_kvcache(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 

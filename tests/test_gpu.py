@@ -114,6 +114,7 @@ def test_triton_fast_path_matches_plain_forward_on_gpu(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_store_kvcache_matches_index_copy(dtype):
+    from conftest import store_kvcache_ref
     from rlengine import _ext
 
     assert _ext.has_cuda_op("store_kvcache"), "the GPU build should include csrc/cuda/kv_cache.cu"
@@ -124,9 +125,6 @@ def test_cuda_store_kvcache_matches_index_copy(dtype):
     k, v = qkv[:, 1], qkv[:, 2]  # strided token rows, as the model passes them
     slots = torch.randperm(num_blocks * P, device="cuda")[:T]
     slots[5] = -1
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    valid = slots >= 0
-    ref_k.view(-1, Hkv, D)[slots[valid]] = k[valid]
-    ref_v.view(-1, Hkv, D)[slots[valid]] = v[valid]
+    ref_k, ref_v = store_kvcache_ref(k, v, k_cache, v_cache, slots)
     torch.ops.rlengine.store_kvcache(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)

@@ -15,6 +15,8 @@
 #include <c10/macros/Macros.h>
 #include <torch/library.h>
 
+#include "../kv_cache_checks.h"
+
 #include <algorithm>
 #include <initializer_list>
 
@@ -41,19 +43,9 @@ __global__ void store_kvcache_kernel(const scalar_t* __restrict__ k, const scala
 
 void store_kvcache_cuda(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                         const at::Tensor& slot_mapping) {
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "store_kvcache: k and v must both be [T, Hkv, D], got ",
-              k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "store_kvcache: caches must both be [num_blocks, P, Hkv, D]");
-  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
-              "store_kvcache: cache [.., .., Hkv, D] = ", k_cache.sizes(), " does not match k ", k.sizes());
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
-                  k.scalar_type() == v.scalar_type(),
-              "store_kvcache: k/v dtype must equal the cache dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "store_kvcache: caches must be contiguous");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) &&
-                  slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
-              "store_kvcache: slot_mapping must be contiguous int64 [T] with T = ", k.size(0));
+  rlengine::check_store_kvcache_args(k, v, k_cache, v_cache, slot_mapping);
+  TORCH_CHECK(slot_mapping.is_contiguous(), "store_kvcache: slot_mapping must be contiguous");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "store_kvcache: k and v must have one dtype");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&v, &k_cache, &v_cache, &slot_mapping}) {
     TORCH_CHECK(t->device() == k.device(), "store_kvcache: all tensors must be on ", k.device());
   }

@@ -33,7 +33,9 @@ import torch
 
 from rlengine.engine.attention import AttentionBackend
 from rlengine.engine.kv_cache import KVCache
+from rlengine.engine.model_runner import decode_tokens, page_tables
 from rlengine.engine.sequence import Sequence
+from rlengine.model.moe import engine_routing, recorded_routing
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.types import ForwardBatch
 
@@ -145,20 +147,12 @@ class DecodeGraphs:
     def fill(self, seqs: list[Sequence], bs: int) -> None:
         """Write one decode step of `seqs` into the buffers, padded to bucket bs with null-block rows."""
         P, null, n = self.P, self.null_block, self.max_bs
-        ids, positions, slots, indptr, last_len, indices = [], [], [], [0], [], []
-        for seq in seqs:
-            pos = len(seq) - 1
-            table = seq.block_table
-            ids.append(seq.token_ids[-1])
-            positions.append(pos)
-            slots.append(table[pos // P] * P + pos % P)
-            pages = pos // P + 1
-            if pages > self.max_pages:
-                raise ValueError(f"sequence of {len(seq)} tokens needs {pages} pages, more than the "
-                                 f"{self.max_pages} a decode graph was sized for")
-            indices.extend(table[:pages])
-            indptr.append(len(indices))
-            last_len.append(pos + 1 - (pages - 1) * P)
+        ids, positions, slots = decode_tokens(seqs, P)
+        indptr, indices, last_len = page_tables(seqs, P)
+        longest = max((b - a for a, b in zip(indptr, indptr[1:])), default=0)
+        if longest > self.max_pages:
+            raise ValueError(f"a sequence needs {longest} pages, more than the {self.max_pages} a decode graph "
+                             "was sized for")
         pad = bs - len(seqs)
         ids += [0] * pad
         positions += [0] * pad
@@ -175,7 +169,7 @@ class DecodeGraphs:
 
     def _forward(self, fb: ForwardBatch) -> GraphOutput:
         hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend)
-        ids = torch.stack([b.last_ids for b in self.moe_blocks], dim=1) if self.record_routing else None
+        ids = recorded_routing(self.moe_blocks) if self.record_routing else None
         return hidden_TC, ids
 
     @torch.inference_mode()
@@ -185,8 +179,7 @@ class DecodeGraphs:
             return
         self.fill([], bs)
         fb = self._static_batch(bs)
-        for block in self.moe_blocks:
-            block.record_ids, block.replay_ids = self.record_routing, None
+        engine_routing(self.moe_blocks, self.record_routing)
         self.backend.plan(fb)
         graph = self.graph_cls(self.pool)
         graph.capture(lambda: self._forward(fb))
@@ -197,16 +190,16 @@ class DecodeGraphs:
         for bs in reversed(self.sizes):
             self.capture(bs)
 
-    def run(self, seqs: list[Sequence]) -> GraphOutput:
-        """One decode step of len(seqs) <= max_bs sequences -> (hidden [B, C], routing ids [B, L, K] or None)."""
+    def run(self, seqs: list[Sequence]) -> GraphOutput | None:
+        """One decode step -> (hidden [B, C], routing ids [B, L, K] or None), or None when B is larger
+        than every bucket (the caller then runs the step eagerly)."""
         B = len(seqs)
         bs = self.bucket(B)
         if bs is None:
-            raise ValueError(f"decode graph batch of {B} exceeds the largest bucket {self.max_bs}")
+            return None
         self.capture(bs)
         self.fill(seqs, bs)
-        for block in self.moe_blocks:
-            block.record_ids, block.replay_ids = self.record_routing, None
+        engine_routing(self.moe_blocks, self.record_routing)  # read again only by StaticReplay
         self.backend.plan(self.batches[bs])
         hidden, ids = self.graphs[bs].replay()
         self.num_replays += 1

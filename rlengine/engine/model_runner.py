@@ -17,8 +17,29 @@ from rlengine.engine.attention import AttentionBackend
 from rlengine.engine.sampler import Sampler
 from rlengine.engine.scheduler import ScheduledBatch
 from rlengine.engine.sequence import Sequence
+from rlengine.model.moe import engine_routing, recorded_routing
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.types import ForwardBatch
+
+
+def decode_tokens(seqs: list[Sequence], P: int) -> tuple[list[int], list[int], list[int]]:
+    """A decode step's inputs: each sequence's last token, its position and the KV slot it writes."""
+    ids = [seq.token_ids[-1] for seq in seqs]
+    positions = [len(seq) - 1 for seq in seqs]
+    slots = [seq.block_table[pos // P] * P + pos % P for seq, pos in zip(seqs, positions)]
+    return ids, positions, slots
+
+
+def page_tables(seqs: list[Sequence], P: int) -> tuple[list[int], list[int], list[int]]:
+    """FlashInfer CSR page tables of `seqs` at their current lengths: indptr [B+1], indices, last_page_len [B]."""
+    indptr, indices, last_len = [0], [], []
+    for seq in seqs:
+        n = len(seq)
+        pages = (n + P - 1) // P
+        indices.extend(seq.block_table[:pages])
+        indptr.append(len(indices))
+        last_len.append(n - (pages - 1) * P)
+    return indptr, indices, last_len
 
 
 class ModelRunner:
@@ -34,31 +55,25 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
         """Host-side step metadata -> one ForwardBatch on the device.
 
-        Built with plain Python lists in one pass over the sequences, then packed into two
-        host tensors (int64: ids, positions, slots, logits rows; int32: page tables) whose
-        views are the batch's fields: two tensor builds and two device copies per step.
+        Built with plain Python lists, then packed into two host tensors (int64: ids, positions,
+        slots, logits rows; int32: page tables) whose views are the batch's fields: two tensor
+        builds and two device copies per step.
         """
         P = self.block_size
-        ids, positions, slots, qo_indptr = [], [], [], [0]
-        indptr, indices, last_len, ctx = [0], [], [], []
         decode = batch.kind == "decode"
-        for seq in batch.seqs:
-            n = len(seq)
-            table = seq.block_table
-            if decode:
-                ids.append(seq.token_ids[-1])
-                positions.append(n - 1)
-                slots.append(table[(n - 1) // P] * P + (n - 1) % P)
-            else:
+        if decode:
+            ids, positions, slots = decode_tokens(batch.seqs, P)
+            qo_indptr = list(range(len(ids) + 1))
+        else:
+            ids, positions, slots, qo_indptr = [], [], [], [0]
+            for seq in batch.seqs:
+                n, table = len(seq), seq.block_table
                 ids.extend(seq.token_ids)
                 positions.extend(range(n))
                 slots.extend(table[pos // P] * P + pos % P for pos in range(n))
-            qo_indptr.append(len(ids))
-            pages = (n + P - 1) // P
-            indices.extend(table[:pages])
-            indptr.append(len(indices))
-            last_len.append(n - (pages - 1) * P)
-            ctx.append(n)
+                qo_indptr.append(len(ids))
+        indptr, indices, last_len = page_tables(batch.seqs, P)
+        ctx = [len(seq) for seq in batch.seqs]
         T, B = len(ids), len(ctx)
         logits_rows = qo_indptr[1:] if not decode else []  # decode: every row is a last token
         i64 = torch.tensor(ids + positions + slots + [i - 1 for i in logits_rows], dtype=torch.int64)
@@ -76,22 +91,22 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[float]]:
         """Forward + sample. Returns the sequences that receive a token (siblings included), tokens, log-probs."""
-        if batch.kind == "decode" and self.graphs is not None and self.graphs.bucket(len(batch.seqs)):
-            hidden_BC, ids_BLK = self.graphs.run(batch.seqs)
+        replayed = self.graphs.run(batch.seqs) if batch.kind == "decode" and self.graphs is not None else None
+        if replayed is not None:
+            hidden_BC, ids_BLK = replayed
             logits_BV = self.model.compute_logits(hidden_BC)
             if ids_BLK is not None:
                 self._store_routing(batch, ids_BLK.cpu(), list(range(len(batch.seqs) + 1)))
             return batch.seqs, *self.sampler(logits_BV, batch.seqs)
         fb = self.prepare(batch)
         self.backend.plan(fb)
-        for block in self.moe_blocks:  # the engine routes by itself: no learner replay ids may linger
-            block.record_ids, block.replay_ids = self.record_routing, None
+        engine_routing(self.moe_blocks, self.record_routing)
         hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend)
         if fb.logits_indices is not None:
             hidden_TC = hidden_TC[fb.logits_indices]
         logits_BV = self.model.compute_logits(hidden_TC)
         if self.record_routing:
-            self._store_routing(batch, torch.stack([b.last_ids for b in self.moe_blocks], dim=1).cpu(), fb.qo_indptr)
+            self._store_routing(batch, recorded_routing(self.moe_blocks).cpu(), fb.qo_indptr)
         if batch.kind == "decode":
             return batch.seqs, *self.sampler(logits_BV, batch.seqs)
         rows, seqs = [], []

@@ -102,3 +102,15 @@ class SparseMoeBlock(nn.Module):
         if self.record_ids:
             self.last_ids = ids_TK
         return moe_experts(x_TC, self.w13, self.w2, weights_TK, ids_TK, self.impl)
+
+
+def engine_routing(blocks: list[SparseMoeBlock], record: bool) -> None:
+    """Prepare the blocks for an engine forward: route by their own top-k (any replay ids a learner
+    left are cleared) and record the chosen ids in `last_ids` when `record`."""
+    for block in blocks:
+        block.record_ids, block.replay_ids = record, None
+
+
+def recorded_routing(blocks: list[SparseMoeBlock]) -> torch.Tensor:
+    """The ids the last forward routed each token to, stacked over blocks: [T, L_moe, K]."""
+    return torch.stack([block.last_ids for block in blocks], dim=1)

@@ -54,13 +54,9 @@ class FusedOps:
     linear: Callable  # x @ w.T without bias
 
 
-_CPU_OPS = FusedOps(
-    rms_norm=lambda x, w, eps: torch.ops.rlengine.rms_norm(x, w, eps),
-    fused_add_rms_norm=lambda x, r, w, eps: torch.ops.rlengine.fused_add_rms_norm(x, r, w, eps),
-    qk_norm_rope=lambda *a: torch.ops.rlengine.qk_norm_rope(*a),
-    silu_and_mul=lambda x: torch.ops.rlengine.silu_and_mul(x),
-    linear=_linear_nograd,
-) if _FUSED else None
+_CPU_OPS = FusedOps(torch.ops.rlengine.rms_norm, torch.ops.rlengine.fused_add_rms_norm,
+                    torch.ops.rlengine.qk_norm_rope, torch.ops.rlengine.silu_and_mul,
+                    _linear_nograd) if _FUSED else None
 
 
 @functools.cache
