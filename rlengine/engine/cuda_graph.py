@@ -168,7 +168,7 @@ class DecodeGraphs:
         self.i32[:i32.numel()].copy_(i32, non_blocking=non_blocking)
 
     def _forward(self, fb: ForwardBatch) -> GraphOutput:
-        hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend)
+        hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend, fast=True)
         ids = recorded_routing(self.moe_blocks) if self.record_routing else None
         return hidden_TC, ids
 

@@ -101,7 +101,7 @@ class ModelRunner:
         fb = self.prepare(batch)
         self.backend.plan(fb)
         engine_routing(self.moe_blocks, self.record_routing)
-        hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend)
+        hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend, fast=True)
         if fb.logits_indices is not None:
             hidden_TC = hidden_TC[fb.logits_indices]
         logits_BV = self.model.compute_logits(hidden_TC)

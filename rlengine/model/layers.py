@@ -2,8 +2,8 @@
 
 Numerics follow Hugging Face's Qwen3 exactly (RMSNorm upcasts to fp32 and casts back before
 the weight multiply; RoPE tables are computed in fp32 and cast to the activation dtype), so
-logits agree with transformers to fp32 rounding. Under no-grad on the CPU, RMSNorm uses the
-C++ op from csrc/ when it is built; with autograd it uses the torch expression.
+logits agree with transformers to fp32 rounding. These modules are the differentiable torch
+path; the engine's fused inference path (qwen3.FusedOps) calls its kernels with their weights.
 
 Dimension legend: T tokens, C hidden, H / Hkv heads, D head dim, F FFN.
 """
@@ -14,10 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlengine import _ext
 from rlengine.config import ModelConfig
-
-_CPP_RMS_NORM = _ext.has_op("rms_norm")
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,8 +32,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _CPP_RMS_NORM and x.device.type == "cpu" and not torch.is_grad_enabled():
-            return torch.ops.rlengine.rms_norm(x, self.weight, self.eps)
         return rms_norm_ref(x, self.weight, self.eps)
 
 
@@ -61,6 +56,14 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(pos, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos_sin = torch.stack([emb.cos(), emb.sin()])  # [2, max_pos, D]
+
+    def _apply(self, fn, recurse=True):
+        # model.to(bf16) would cast the tables too: they stay fp32 (the fused kernels require it, and
+        # HF computes RoPE in fp32), so rebuild them on the new device instead of rounding them.
+        super()._apply(fn, recurse)
+        if self.cos_sin.numel() and self.cos_sin.dtype != torch.float32:
+            self.build(self.cos_sin.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int -> (cos, sin) each [T, 1, D] in `dtype`, broadcastable over heads."""

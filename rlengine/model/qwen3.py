@@ -42,6 +42,27 @@ def _linear_nograd(x_TC: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.rlengine.skinny_linear(x_TC, w) if _SKINNY else F.linear(x_TC, w)
 
 
+def logits_fp32(h_BC: torch.Tensor, w_VC: torch.Tensor) -> torch.Tensor:
+    """h @ W^T with low-precision inputs, fp32 accumulation and fp32 output: [B, C] x [V, C] -> [B, V].
+
+    CUDA: one GEMM with out_dtype=float32 (cuBLAS accumulates in fp32; no fp32 copy of W).
+    Elsewhere: upcast both inputs (exact) and multiply in fp32.
+    """
+    if h_BC.device.type == "cuda" and _MM_OUT_DTYPE:
+        return torch.mm(h_BC, w_VC.t(), out_dtype=torch.float32)
+    return F.linear(h_BC.float(), w_VC.float())
+
+
+def _mm_has_out_dtype() -> bool:
+    try:
+        return "out_dtype" in str(torch.ops.aten.mm.dtype._schema)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_MM_OUT_DTYPE = _mm_has_out_dtype()
+
+
 @dataclass(frozen=True, slots=True)
 class FusedOps:
     """The kernels of the no-grad fast path, one set per device with the same signatures:
@@ -158,10 +179,15 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
 
-    def forward(self, input_ids_T, positions_T, ctx: AttentionContext):
+    def forward(self, input_ids_T, positions_T, ctx: AttentionContext, *, fast: bool = False):
+        """fast=True: the engine's inference path (fused kernels of fused_ops_for, no autograd; the
+        torch path where a device has none). fast=False: the differentiable torch path."""
         x_TC = self.embed_tokens(input_ids_T)
-        ops = None if torch.is_grad_enabled() else fused_ops_for(x_TC.device)
+        ops = fused_ops_for(x_TC.device) if fast else None
         if ops is not None:
+            if torch.is_grad_enabled() and x_TC.requires_grad:
+                raise RuntimeError("the fused inference path (fast=True) has no autograd; run it under "
+                                   "torch.no_grad() / inference_mode, or use fast=False")
             return self.forward_fused(x_TC, positions_T, ctx, ops)
         cos, sin = self.rotary(positions_T, x_TC.dtype)
         for layer in self.layers:
@@ -218,35 +244,45 @@ class Qwen3ForCausalLM(nn.Module):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
-    def hidden_states(self, input_ids_T, positions_T, ctx: AttentionContext) -> torch.Tensor:
-        """Packed forward without the LM head: [T] -> [T, C]."""
-        return self.model(input_ids_T, positions_T, ctx)
+    def hidden_states(self, input_ids_T, positions_T, ctx: AttentionContext, *, fast: bool = False) -> torch.Tensor:
+        """Packed forward without the LM head: [T] -> [T, C]. fast: the engine's fused no-grad path."""
+        return self.model(input_ids_T, positions_T, ctx, fast=fast)
 
     def compute_logits(self, hidden_TC: torch.Tensor) -> torch.Tensor:
-        if _SKINNY and hidden_TC.device.type == "cpu" and not torch.is_grad_enabled():
-            return _linear_nograd(hidden_TC, self.lm_head.weight)
-        return self.lm_head(hidden_TC)
+        """The engine's logits of the sampled rows: [B, C] -> [B, V] fp32, no autograd.
 
-    def forward(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
-        """Plain causal forward, no cache: input_ids [B, S] -> logits [B, S, V]."""
+        Accumulated in fp32 from the compute-dtype weights and returned in fp32 (never rounded to
+        bf16: rounding alone moves a log-prob by 0.04-0.08 nats at |logit| 10-20), which is what
+        the learner's fused log-prob kernel computes from the same hidden states and weights.
+        """
+        w = self.lm_head.weight
+        if w.dtype == torch.float32 or hidden_TC.shape[0] == 0:
+            if _SKINNY and hidden_TC.device.type == "cpu":
+                return _linear_nograd(hidden_TC, w)
+            return F.linear(hidden_TC, w)
+        return logits_fp32(hidden_TC, w)
+
+    def forward(self, input_ids_BS: torch.Tensor, *, fast: bool = False) -> torch.Tensor:
+        """Plain causal forward, no cache: input_ids [B, S] -> logits [B, S, V] (fast: fused no-grad path)."""
         B, S = input_ids_BS.shape
         positions = torch.arange(S, device=input_ids_BS.device).repeat(B)
         ctx = DenseCausal(B, S, self.config.head_dim ** -0.5)
-        hidden = self.model(input_ids_BS.reshape(-1), positions, ctx)
+        hidden = self.model(input_ids_BS.reshape(-1), positions, ctx, fast=fast)
         return self.lm_head(hidden).view(B, S, -1)
 
     def forward_packed(self, input_ids_T: torch.Tensor, cu_seqlens: list[int] | torch.Tensor,
-                       *, return_hidden: bool = False) -> torch.Tensor:
+                       *, return_hidden: bool = False, fast: bool = False) -> torch.Tensor:
         """Variable-length causal forward: sequences packed along T with boundaries cu_seqlens [B+1].
 
         Returns logits [T, V], or hidden states [T, C] with return_hidden (for the fused log-prob).
+        fast=True runs the engine's fused no-grad path (for parity checks against the learner's).
         Host sync: cu_seqlens is read on the host if given as a tensor.
         """
         cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
         if cu[0] != 0 or cu[-1] != input_ids_T.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to T={input_ids_T.shape[0]}, got {cu}")
         positions = torch.cat([torch.arange(b - a, device=input_ids_T.device) for a, b in zip(cu, cu[1:])])
-        hidden = self.model(input_ids_T, positions, PackedCausal(cu, self.config.head_dim ** -0.5))
+        hidden = self.model(input_ids_T, positions, PackedCausal(cu, self.config.head_dim ** -0.5), fast=fast)
         return hidden if return_hidden else self.lm_head(hidden)
 
     def moe_blocks(self) -> list[SparseMoeBlock]:

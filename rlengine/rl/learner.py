@@ -9,6 +9,8 @@ Log-probs: log_softmax(logits / temperature) at the target tokens — the engine
 through the fused Triton kernel on GPU and its torch reference on CPU. The learner also
 reports how far its recomputed log-probs are from the engine's behaviour log-probs.
 A non-finite loss or gradient skips the update (reported), leaving weights and optimizer intact.
+Precision: with a bf16 model the optimizer steps fp32 master weights and writes the rounded
+result into the shared parameters in place (rlengine/rl/optim.py).
 """
 
 from __future__ import annotations
@@ -18,16 +20,21 @@ import math
 
 import torch
 
-from rlengine.model.qwen3 import Qwen3ForCausalLM
+from rlengine.model.qwen3 import Qwen3ForCausalLM, logits_fp32
 from rlengine.rl.advantages import gae
 from rlengine.rl.batching import TrainBatch
 from rlengine.rl.config import TrainSection
 from rlengine.rl.losses import kl_k3, masked_aggregate, policy_loss, value_loss
+from rlengine.rl.optim import LearnerOptimizer, use_master_weights
 from rlengine.rl.value import ValueModel
 
 
 def token_logprobs(model: Qwen3ForCausalLM, mb: TrainBatch, temperature: float, fused: bool):
-    """(logp [T], entropy [T]) of mb.targets under `model`, fp32, differentiable."""
+    """(logp [T], entropy [T]) of mb.targets under `model` (raw definition), fp32, differentiable.
+
+    The learner's forward is the differentiable torch path (fast=False); its numbers agree with the
+    engine's fused inference path to rounding (tests/test_logprob_parity.py measures the residual).
+    """
     hidden = model.forward_packed(mb.input_ids, mb.cu_seqlens, return_hidden=True)
     if fused:
         from rlengine.kernels.fused_logprob import fused_logprob as fn
@@ -36,23 +43,54 @@ def token_logprobs(model: Qwen3ForCausalLM, mb: TrainBatch, temperature: float, 
     return fn(hidden, model.lm_head.weight, mb.targets, temperature=temperature, return_entropy=True)
 
 
+def processed_token_logprobs(model: Qwen3ForCausalLM, mb: TrainBatch, temperature: float, top_k: int,
+                             top_p: float):
+    """(logp [T], entropy [T]) under the top-k / top-p filtered distribution at `temperature`.
+
+    The same quantity the engine returns with logprobs_mode="processed" (sampler.sequence_logprobs);
+    it needs the [T, V] logits (the filter sorts each row), so it is not fused. Entropy is that of
+    the unfiltered distribution, as in raw mode.
+    """
+    from rlengine.engine.sampler import sequence_logprobs
+
+    hidden = model.forward_packed(mb.input_ids, mb.cu_seqlens, return_hidden=True)
+    logits_TV = logits_fp32(hidden, model.lm_head.weight)
+    logp = sequence_logprobs(logits_TV, mb.targets, temperature=temperature, top_k=top_k, top_p=top_p,
+                             mode="processed")
+    full_TV = (logits_TV / temperature).log_softmax(dim=-1)
+    return logp, -(full_TV.exp() * full_TV).sum(dim=-1)
+
+
 class Learner:
     def __init__(self, model: Qwen3ForCausalLM, cfg: TrainSection, *, temperature: float = 1.0,
-                 fused_logprob: bool | None = None, replay_routing: bool = False):
+                 fused_logprob: bool | None = None, replay_routing: bool = False, logprobs_mode: str = "raw",
+                 top_k: int = -1, top_p: float = 1.0):
         self.model, self.cfg = model, cfg
         self.temperature = temperature
         self.fused = model.device.type == "cuda" if fused_logprob is None else fused_logprob
         self.replay_routing = replay_routing
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr_effective, betas=cfg.betas,
-                                     weight_decay=cfg.weight_decay)
+        self.logprobs_mode, self.top_k, self.top_p = logprobs_mode, top_k, top_p
+        masters = use_master_weights(cfg.master_weights, model.dtype)
+        self.optim = LearnerOptimizer(model.parameters(), lr=cfg.lr_effective, betas=cfg.betas,
+                                      weight_decay=cfg.weight_decay, masters=masters)
+        self.opt, self.master_params = self.optim.opt, self.optim.master_params
+        # The KL reference is the policy as it is NOW (the trainer builds the learner after the
+        # format warm start, so this is the policy at update 0); checkpoints save and restore it.
         self.ref = None
         if cfg.kl_coef > 0:
             self.ref = copy.deepcopy(model).eval().requires_grad_(False)
-        self.critic = self.critic_opt = None
+        self.critic = self.critic_opt = self.critic_optim = self.critic_master_params = None
         if cfg.algo == "ppo":
             self.critic = ValueModel(model)
-            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.lr_effective * cfg.critic_lr_mult,
-                                                betas=cfg.betas, weight_decay=cfg.weight_decay)
+            self.critic_optim = LearnerOptimizer(self.critic.parameters(), lr=cfg.lr_effective * cfg.critic_lr_mult,
+                                                 betas=cfg.betas, weight_decay=cfg.weight_decay, masters=masters)
+            self.critic_opt, self.critic_master_params = self.critic_optim.opt, self.critic_optim.master_params
+
+    def token_logprobs(self, model: Qwen3ForCausalLM, mb: TrainBatch):
+        """Log-probs of mb.targets under the learner's definition (= the engine's logprobs_mode)."""
+        if self.logprobs_mode == "processed" and (self.top_k > 0 or self.top_p < 1.0):
+            return processed_token_logprobs(model, mb, self.temperature, self.top_k, self.top_p)
+        return token_logprobs(model, mb, self.temperature, self.fused)
 
     # ---- PPO advantages ---------------------------------------------------------------------
     @torch.no_grad()
@@ -92,10 +130,10 @@ class Learner:
     def compute_grads(self, batch: TrainBatch, *, critic_only: bool = False) -> dict:
         """Zero grads, accumulate gradients over micro-batches; returns metrics (no optimizer step)."""
         cfg = self.cfg
-        self.opt.zero_grad(set_to_none=True)
+        self.optim.zero_grad()
         old_values = returns = None
         if self.critic is not None:
-            self.critic_opt.zero_grad(set_to_none=True)
+            self.critic_optim.zero_grad()
             old_values, returns = self.ppo_advantages(batch)
         norm = self._normalizer(batch)
         sums = {"clip_frac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0, "logprob_diff": 0.0,
@@ -110,7 +148,7 @@ class Learner:
             if not critic_only:
                 if self.replay_routing:
                     self._set_replay(mb)
-                logp, ent = token_logprobs(self.model, mb, self.temperature, self.fused)
+                logp, ent = self.token_logprobs(self.model, mb)
                 self._set_replay(None)
                 pl, m = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.seq_ids,
                                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.agg, normalizer=norm)
@@ -120,7 +158,7 @@ class Learner:
                                                                       normalizer=norm)
                 if self.ref is not None:
                     with torch.no_grad():
-                        ref_logp, _ = token_logprobs(self.ref, mb, self.temperature, self.fused)
+                        ref_logp, _ = self.token_logprobs(self.ref, mb)
                     kl = masked_aggregate(kl_k3(logp, ref_logp), mb.loss_mask, mb.seq_ids, agg=cfg.agg,
                                           normalizer=norm)
                     loss = loss + cfg.kl_coef * kl
@@ -140,6 +178,9 @@ class Learner:
                 loss = loss + cfg.vf_coef * vl
                 sums["value_loss"] += float(vl.detach())
             loss.backward()
+            self.optim.accumulate()
+            if self.critic_optim is not None:
+                self.critic_optim.accumulate()
             sums["loss"] += float(loss.detach())
         sums["logprob_diff"] /= ntok
         sums["entropy"] /= ntok
@@ -155,22 +196,22 @@ class Learner:
         metrics = self.compute_grads(batch, critic_only=critic_only)
         if phases is not None:
             phases.set_phase("optimizer")
-        actor_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        actor_norm = torch.nn.utils.clip_grad_norm_(self.optim.grad_params, self.cfg.max_grad_norm)
         critic_norm = None
         if self.critic is not None:
-            critic_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.max_grad_norm)
+            critic_norm = torch.nn.utils.clip_grad_norm_(self.critic_optim.grad_params, self.cfg.max_grad_norm)
         finite = math.isfinite(metrics["loss"]) and (critic_only or math.isfinite(float(actor_norm))) and (
             critic_norm is None or math.isfinite(float(critic_norm)))
         metrics.update(actor_grad_norm=float(actor_norm) if not critic_only else None,
                        critic_grad_norm=None if critic_norm is None else float(critic_norm),
                        skipped=not finite)
         if not finite:
-            self.opt.zero_grad(set_to_none=True)
-            if self.critic_opt is not None:
-                self.critic_opt.zero_grad(set_to_none=True)
+            self.optim.zero_grad()
+            if self.critic_optim is not None:
+                self.critic_optim.zero_grad()
             return metrics
         if not critic_only:
-            self.opt.step()
-        if self.critic_opt is not None:
-            self.critic_opt.step()
+            self.optim.step()
+        if self.critic_optim is not None:
+            self.critic_optim.step()
         return metrics
