@@ -1,4 +1,6 @@
-"""Sampler statistics: drawn token frequencies match the target distribution; seeds reproduce.
+"""Sampler statistics: drawn token frequencies match the target distribution; seeds reproduce;
+returned log-probs follow SamplingParams.logprobs_mode, and sequence_logprobs (the learner's side)
+gives the same numbers and the gradient of a hand-built masked log_softmax.
 
 The sampler is driven directly (no model) with fake Sequences on a small vocabulary: one
 call with N identical logits rows is N independent draws, so each case is one batched call.
@@ -15,7 +17,7 @@ import math
 import pytest
 import torch
 
-from rlengine.engine.sampler import Sampler, filter_logits
+from rlengine.engine.sampler import Sampler, filter_logits, sequence_logprobs
 from rlengine.engine.sampling_params import SamplingParams
 from rlengine.engine.sequence import Sequence
 
@@ -107,7 +109,7 @@ def test_top_k_distribution(top_k):
     keep = torch.zeros(30, dtype=torch.bool)
     keep[z.topk(top_k).indices] = True
     _assert_matches(tokens, _masked_softmax(z, keep))
-    # the log-prob is taken before filtering (what the learner recomputes), not the renormalised one
+    # the default ("raw") log-prob is taken before filtering, not the renormalised one
     torch.testing.assert_close(logprobs, z.log_softmax(-1)[tokens])
 
 
@@ -243,3 +245,127 @@ def test_filter_logits_masks_exactly():
     torch.testing.assert_close(out[torch.isfinite(out)], z[torch.isfinite(out)])
     # k >= V and p = 1 keep everything
     torch.testing.assert_close(filter_logits(z, torch.tensor([9, -1]), torch.tensor([1.0, 1.0])), z)
+
+
+def _top_k_keep(z_V: torch.Tensor, k: int) -> torch.Tensor:
+    keep = torch.zeros(z_V.numel(), dtype=torch.bool)
+    keep[z_V.topk(k).indices] = True
+    return keep
+
+
+def _nucleus_keep(z_V: torch.Tensor, p: float) -> torch.Tensor:
+    """The smallest most-likely prefix whose mass reaches p, by hand (sort, mass before each token < p)."""
+    probs, order = z_V.softmax(-1).sort(descending=True)
+    keep = torch.zeros(z_V.numel(), dtype=torch.bool)
+    keep[order[(probs.cumsum(-1) - probs) < p]] = True
+    return keep
+
+
+@pytest.mark.parametrize("filt", ["top_k", "top_p"])
+def test_processed_logprobs_are_log_softmax_over_the_kept_set(filt):
+    """processed = log_softmax over the kept, temperature-scaled logits; raw unchanged; the same tokens."""
+    logits, T = _logits(40, seed=11, scale=1.0), 0.7
+    z = logits / T
+    knobs, keep = (dict(top_k=6), _top_k_keep(z, 6)) if filt == "top_k" else (dict(top_p=0.8), _nucleus_keep(z, 0.8))
+    assert 1 < keep.sum() < 40
+    tokens, processed = _draw(logits, SamplingParams(temperature=T, logprobs_mode="processed", **knobs), n=2000)
+    raw_tokens, raw = _draw(logits, SamplingParams(temperature=T, logprobs_mode="raw", **knobs), n=2000)
+    assert torch.equal(tokens, raw_tokens), "the mode must not change what is sampled"
+    assert keep[tokens].all()
+    torch.testing.assert_close(processed, z.masked_fill(~keep, float("-inf")).log_softmax(-1)[tokens],
+                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(raw, z.log_softmax(-1)[tokens], rtol=0, atol=1e-6)
+
+
+def test_processed_probabilities_sum_to_one_and_match_frequencies():
+    """exp(processed log-prob) is the distribution sampled from: it sums to 1 over what is drawn, and the
+    draws match it (chi-square). Every kept token has prob > 1e-2 here, so all of them are drawn."""
+    logits = _logits(30, seed=12)
+    tokens, logprobs = _draw(logits, SamplingParams(temperature=0.9, top_k=8, top_p=0.9, logprobs_mode="processed"))
+    target = torch.zeros(30)
+    target[tokens] = logprobs.exp()  # one value per token (checked next)
+    assert torch.equal(logprobs.exp(), target[tokens])
+    assert target.sum().item() == pytest.approx(1.0, abs=1e-5)
+    assert target[target > 0].min() > 1e-2
+    _assert_matches(tokens, target)
+
+
+# One row per code path: raw/processed x no filter/top-k/top-p/both, greedy in both modes (with a filter
+# set: still log_softmax(logits)), a flat row whose nucleus is wider than sampler.CANDIDATES (full-sort fallback).
+MIXED = [(dict(temperature=1.0), 2.0), (dict(temperature=0.8, top_k=5), 2.0),
+         (dict(temperature=0.8, top_k=5, logprobs_mode="processed"), 2.0),
+         (dict(temperature=1.2, top_p=0.8, logprobs_mode="processed"), 2.0),
+         (dict(temperature=0.9, top_k=10, top_p=0.9, logprobs_mode="processed"), 2.0),
+         (dict(temperature=1.0, logprobs_mode="processed"), 2.0),
+         (dict(temperature=0.0, top_k=3, logprobs_mode="processed"), 2.0), (dict(temperature=0.0), 2.0),
+         (dict(temperature=1.0, top_p=0.97, logprobs_mode="processed"), 0.2)]
+
+
+def test_sequence_logprobs_matches_the_sampler_in_a_mixed_batch():
+    """The learner's sequence_logprobs on the sampler's logits and tokens returns the sampler's values exactly."""
+    V, reps = 100, 4
+    gen = torch.Generator().manual_seed(13)
+    rows = [(SamplingParams(**kw), scale) for kw, scale in MIXED for _ in range(reps)]
+    logits = torch.stack([torch.randn(V, generator=gen) * scale for _, scale in rows])
+    seqs = [Sequence("r", i, [0], p, None) for i, (p, _) in enumerate(rows)]
+    tokens, logprobs = Sampler(torch.device("cpu"), seed=1)(logits, seqs)
+    tokens, logprobs = torch.tensor(tokens), torch.tensor(logprobs, dtype=torch.float32)
+    for c, (kw, _) in enumerate(MIXED):  # one learner call per config, over its `reps` rows
+        r = slice(c * reps, (c + 1) * reps)
+        p = rows[c * reps][0]
+        got = sequence_logprobs(logits[r], tokens[r], temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                mode=p.logprobs_mode)
+        assert got.dtype == torch.float32 and got.shape == (reps,)
+        assert torch.equal(got, logprobs[r]), f"{kw}: {got.tolist()} != {logprobs[r].tolist()}"
+
+
+@pytest.mark.parametrize("mode,knobs", [("processed", dict(top_k=7)), ("processed", dict(top_p=0.85)),
+                                        ("raw", dict(top_k=7)), ("processed", dict())])
+def test_sequence_logprobs_gradient_matches_a_masked_log_softmax(mode, knobs):
+    """Forward and d/d logits against autograd through a hand-built masked log_softmax, one upstream gradient."""
+    gen = torch.Generator().manual_seed(14)
+    T, V, temp = 6, 50, 0.8
+    logits = (torch.randn(T, V, generator=gen) * 2).requires_grad_()
+    z = logits.detach() / temp
+    if mode == "raw" or not knobs:
+        keep = torch.ones(T, V, dtype=torch.bool)
+    elif "top_k" in knobs:
+        keep = torch.stack([_top_k_keep(z[t], knobs["top_k"]) for t in range(T)])
+    else:
+        keep = torch.stack([_nucleus_keep(z[t], knobs["top_p"]) for t in range(T)])
+    targets = torch.stack([torch.multinomial(keep[t].float(), 1, generator=gen)[0] for t in range(T)])
+    grad_out = torch.randn(T, generator=gen)
+    got = sequence_logprobs(logits, targets, temperature=temp, mode=mode, **knobs)
+    (got_grad,) = torch.autograd.grad(got, logits, grad_out)
+    ref = (logits / temp).masked_fill(~keep, float("-inf")).log_softmax(-1).gather(1, targets[:, None]).view(-1)
+    (ref_grad,) = torch.autograd.grad(ref, logits, grad_out)
+    torch.testing.assert_close(got, ref.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_grad, ref_grad, rtol=0, atol=1e-6)
+    assert (got_grad[~keep] == 0).all(), "masked-out logits get no gradient"
+
+
+def test_sequence_logprobs_of_a_filtered_out_target_is_minus_inf():
+    logits = _logits(20, seed=15)[None].requires_grad_()
+    outside = logits.detach()[0].argsort()[:1]  # the least likely token: outside top_k=3
+    got = sequence_logprobs(logits, outside, temperature=1.0, top_k=3, mode="processed")
+    assert got.item() == float("-inf")
+    (grad,) = torch.autograd.grad(got, logits)
+    assert torch.isfinite(grad).all()
+
+
+def test_processed_differs_from_raw_only_when_filtered():
+    """Negative control: with top_k=3 the modes differ; without a filter they are bit-identical."""
+    logits = _logits(30, seed=16)
+    raw, processed = (_draw(logits, SamplingParams(temperature=1.0, top_k=3, logprobs_mode=m), n=200)[1]
+                      for m in ("raw", "processed"))
+    assert ((processed - raw).abs() > 1e-3).all()
+    raw, processed = (_draw(logits, SamplingParams(temperature=1.0, logprobs_mode=m), n=200)[1]
+                      for m in ("raw", "processed"))
+    assert torch.equal(raw, processed)
+
+
+def test_invalid_logprobs_mode_raises():
+    with pytest.raises(ValueError, match="logprobs_mode.*raw.*processed"):
+        SamplingParams(logprobs_mode="filtered")
+    with pytest.raises(ValueError, match="mode.*raw.*processed"):
+        sequence_logprobs(torch.randn(2, 5), torch.tensor([0, 1]), temperature=1.0, mode="filtered")

@@ -3,8 +3,11 @@
 Per row: greedy (temperature 0), or temperature with optional top-k and top-p filtering,
 drawn from the row's own torch.Generator when the request has a seed (so a sample's tokens
 do not depend on what else is in the batch) or from the engine's generator otherwise.
-Returned log-prob: log_softmax(logits / temperature) over the full vocabulary, before
-filtering (log_softmax(logits) for greedy rows): the definition the learner recomputes.
+Returned log-prob, per the row's SamplingParams.logprobs_mode: "raw" = log_softmax(logits / T)
+over the full vocabulary, before filtering; "processed" = log_softmax(filter_logits(logits / T)),
+the distribution the token was drawn from (taken only for rows with a filter: without one the two
+are the same numbers). Greedy rows get log_softmax(logits) in both modes. sequence_logprobs is the
+learner's side: the same definition, through the same filter_logits, differentiable.
 
 Drawing: inverse CDF with ONE uniform number per row (not one per vocabulary entry, as the
 Gumbel-max trick needs: at B=256, V=4096 the [B, V] RNG alone cost more than the rest of the
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from rlengine.engine.sampling_params import LOGPROBS_MODES
 from rlengine.engine.sequence import Sequence
 
 
@@ -91,7 +95,7 @@ class Sampler:
             return tokens.view(-1).tolist(), _logprob_of(logits, tokens).tolist()
         device = logits.device
         z = logits / torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        if any(p.filtered for p in params):
             top_k = torch.tensor([p.top_k for p in params], device=device)
             top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
             filtered = filter_logits(z, top_k, top_p)
@@ -106,7 +110,12 @@ class Sampler:
         if any(greedy):
             rows = torch.tensor(greedy, device=device)[:, None]
             tokens = torch.where(rows, logits.max(dim=-1, keepdim=True)[1], tokens)
-        return tokens.view(-1).tolist(), logprobs_BV.gather(1, tokens).view(-1).tolist()
+        logprobs_B1 = logprobs_BV.gather(1, tokens)
+        processed = [i for i, p in enumerate(params) if p.logprobs_mode == "processed" and p.filtered and not p.greedy]
+        if processed:  # only these rows pay for a second log_softmax; the rest keep the raw values
+            rows = torch.tensor(processed, device=device)
+            logprobs_B1[rows] = filtered[rows].log_softmax(dim=-1).gather(1, tokens[rows])
+        return tokens.view(-1).tolist(), logprobs_B1.view(-1).tolist()
 
     def _uniform(self, B: int, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         """u ~ U(0, 1) [B, 1]: seeded sequences draw from their own generator, the rest from the engine's."""
@@ -125,3 +134,35 @@ class Sampler:
 def _logprob_of(logits_BV: torch.Tensor, tokens_B1: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits)[token] per row (log_softmax beats logits[token] - logsumexp on the CPU)."""
     return logits_BV.log_softmax(dim=-1).gather(1, tokens_B1).view(-1)
+
+
+def sequence_logprobs(logits_TV: torch.Tensor, targets_T: torch.Tensor, *, temperature: float, top_k: int = -1,
+                      top_p: float = 1.0, mode: str = "raw") -> torch.Tensor:
+    """Log-probs [T] fp32 of targets [T] int64 under logits [T, V] (any float dtype): the learner's side.
+
+    The same definition as the Sampler for one request's SamplingParams (see sampling_params.py):
+    "raw" = log_softmax(logits / temperature); "processed" = log_softmax(filter_logits(logits /
+    temperature)); temperature 0 (greedy) = log_softmax(logits) in both modes. Same ops as the
+    sampler, so on the same logits the values agree bit for bit (on the CPU a nucleus boundary within
+    rounding of top_p may still fall differently if the sampler's batch held a top_k > CANDIDATES,
+    which changes the candidate count). Differentiable w.r.t. logits; the
+    top-k / top-p keep-mask is a constant of the backward, so it is computed under no_grad (no sort /
+    topk / scatter on the autograd graph) and applied with masked_fill. Masked-out tokens get -inf
+    and no gradient, so a target that was filtered out gives -inf (its gradient stays finite).
+    Host sync on the CPU only (inside filter_logits).
+    """
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"sequence_logprobs: mode must be one of {LOGPROBS_MODES}, got {mode!r}")
+    z_TV = logits_TV.float()
+    if temperature > 0:
+        # a [T, 1] tensor, as the sampler divides by: a Python scalar may become a multiply by the
+        # reciprocal (CUDA does), which differs in the last bit from a true division
+        z_TV = z_TV / torch.full((z_TV.shape[0], 1), temperature, dtype=torch.float32, device=z_TV.device)
+        if mode == "processed" and (top_k > 0 or top_p < 1.0):
+            T = z_TV.shape[0]
+            with torch.no_grad():
+                k_T = torch.full((T,), top_k, dtype=torch.int64, device=z_TV.device)
+                p_T = torch.full((T,), top_p, dtype=torch.float32, device=z_TV.device)
+                keep_TV = filter_logits(z_TV.detach(), k_T, p_T).isfinite()
+            z_TV = z_TV.masked_fill(~keep_TV, float("-inf"))  # the kept entries are filter_logits' values
+    return z_TV.log_softmax(dim=-1).gather(1, targets_T.view(-1, 1).long()).view(-1)

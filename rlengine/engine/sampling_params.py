@@ -1,8 +1,14 @@
 """SamplingParams: how one request is decoded (vLLM's names and meanings).
 
-Log-prob definition used everywhere in rlengine (engine and learner): the log-prob of a
-sampled token is log_softmax(logits / temperature) over the FULL vocabulary, taken before
-top-k / top-p filtering; for greedy decoding (temperature 0) it is log_softmax(logits).
+Log-prob of a sampled token, chosen per request by `logprobs_mode` (the learner recomputes the
+same quantity with sampler.sequence_logprobs):
+  "raw"       log_softmax(logits / temperature) over the FULL vocabulary, before top-k / top-p
+              filtering. Unlike vLLM's "raw_logprobs" (taken before temperature) ours includes it.
+  "processed" log-prob under the distribution actually sampled from: log_softmax over the top-k /
+              top-p filtered, temperature-scaled logits (vLLM's "processed_logprobs"). Unbiased
+              importance ratios for RL when a filter is on.
+Without top-k / top-p the two are identical; for greedy decoding (temperature 0) both are
+log_softmax(logits).
 Seeds: sample i of a request with seed s draws from a generator seeded with s + i, so a
 request with n = G and seed s produces exactly what G requests with n = 1 and seeds
 s, s+1, ..., s+G-1 produce.
@@ -11,6 +17,8 @@ s, s+1, ..., s+G-1 produce.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -25,6 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False                    # keep going past the model's EOS ids
     seed: int | None = None                     # per-request seed (sample i uses seed + i)
+    logprobs_mode: str = "raw"                  # "raw" | "processed": see the module docstring
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -37,7 +46,15 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be -1/0 (off) or >= 1, got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"SamplingParams.logprobs_mode must be one of {LOGPROBS_MODES}, "
+                             f"got {self.logprobs_mode!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def filtered(self) -> bool:
+        """True when top-k or top-p is on (the sampled distribution is not the full softmax)."""
+        return self.top_k > 0 or self.top_p < 1.0
