@@ -1,10 +1,16 @@
-"""Run checkpoints: HF-format weights (safetensors) plus optimizer, RNG, sampler and counter state.
+"""Run checkpoints: HF-format weights plus fp32 masters, KL reference, optimizer, RNG, sampler and counters.
 
 Layout: RUN_DIR/checkpoints/update-000040/{model/ (config.json + model.safetensors),
-critic.safetensors, optim.safetensors, optim.json, state.json}. Everything is written to a
-temporary directory that is renamed into place, then RUN_DIR/checkpoints/latest is
-replaced atomically, so a crash never leaves a half-written checkpoint that resume would
-read. Optimizer tensors go to safetensors, scalars to JSON: no pickle anywhere.
+master.safetensors, ref.safetensors, critic.safetensors, critic_master.safetensors,
+optim.safetensors, optim.json, state.json} (master/ref/critic files only when the learner has
+them; masters are fp32, key master.{i} for the i-th trainable parameter), and
+RUN_DIR/checkpoints/latest, a text file naming the directory to resume from.
+Crash safety: a save never deletes or overwrites the checkpoint `latest` names. It writes into
+a fresh `.tmp-<name>` directory, fsyncs every file and directory, renames it to a name not yet
+used (`update-000040`, or `update-000040.1`, ... when that update is saved again), fsyncs the
+pointer and replaces `latest` atomically; only then are superseded directories of the same
+update and leftover `.tmp-*` directories removed. Tensors go to safetensors, scalars to JSON:
+no pickle anywhere.
 """
 
 from __future__ import annotations
@@ -12,12 +18,36 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlengine.model.loader import load_pretrained, save_pretrained
+from rlengine.model.loader import CheckpointError, load_pretrained, save_pretrained
+
+# The points of save_checkpoint at which `on_stage` is called, in order (crash tests kill there).
+STAGES = (
+    "partial",         # .tmp-<name>/ holds the model files only
+    "written",         # .tmp-<name>/ is complete and fsynced, not yet renamed
+    "before-pointer",  # <name>/ is in place and latest.tmp fsynced; `latest` still names the old checkpoint
+    "after-pointer",   # `latest` names <name>/; superseded directories not yet removed
+)
+
+
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+def _unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict with each tensor once: safetensors refuses shared storage (tied lm_head/embed_tokens)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
 
 
 def _optim_to_files(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict, dict]:
@@ -33,29 +63,88 @@ def _optim_from_files(opt: torch.optim.Optimizer, tensors: dict, meta: dict, pre
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def save_checkpoint(run_dir: Path, update: int, *, model, learner, state: dict) -> Path:
-    ckpt_root = run_dir / "checkpoints"
-    final = ckpt_root / f"update-{update:06d}"
-    tmp = ckpt_root / f".tmp-update-{update:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_pretrained(model, tmp / "model")
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file, then every directory bottom-up, so the rename publishes durable contents."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for f in filenames:
+            _fsync(Path(dirpath) / f)
+        _fsync(Path(dirpath))
+
+
+def _write_files(out: Path, *, model, learner, state: dict, on_stage) -> None:
+    save_pretrained(model, out / "model")
+    on_stage("partial")
+    for file, masters in (("master", getattr(learner, "master_params", None)),
+                          ("critic_master", getattr(learner, "critic_master_params", None))):
+        if masters is not None:
+            save_file(_cpu({f"master.{i}": m for i, m in enumerate(masters)}), str(out / f"{file}.safetensors"))
+    if learner.ref is not None:
+        save_file(_cpu(_unique_state(learner.ref)), str(out / "ref.safetensors"))
     tensors, meta = _optim_to_files(learner.opt, "actor")
     metas = {"actor": meta}
     if learner.critic is not None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in learner.critic.state_dict().items()},
-                  str(tmp / "critic.safetensors"))
+        save_file(_cpu(learner.critic.state_dict()), str(out / "critic.safetensors"))
         ct, cm = _optim_to_files(learner.critic_opt, "critic")
         tensors.update(ct)
         metas["critic"] = cm
-    save_file(tensors, str(tmp / "optim.safetensors"))
-    (tmp / "optim.json").write_text(json.dumps(metas))
-    (tmp / "state.json").write_text(json.dumps(state))
-    shutil.rmtree(final, ignore_errors=True)
+    save_file(tensors, str(out / "optim.safetensors"))
+    (out / "optim.json").write_text(json.dumps(metas))
+    (out / "state.json").write_text(json.dumps(state))
+
+
+def _fresh_name(ckpt_root: Path, update: int) -> str:
+    """update-000040, or update-000040.N for the first N whose directory (or .tmp- twin) is unused."""
+    base = f"update-{update:06d}"
+    taken = {p.name for p in ckpt_root.iterdir()}
+    name, n = base, 0
+    while name in taken or f".tmp-{name}" in taken:
+        n += 1
+        name = f"{base}.{n}"
+    return name
+
+
+def save_checkpoint(run_dir: Path, update: int, *, model, learner, state: dict,
+                    on_stage: Callable[[str], None] | None = None) -> Path:
+    """Write a checkpoint of `update` and point checkpoints/latest at it; returns its directory.
+
+    learner: .opt, .critic/.critic_opt (or None), .ref (or None), and optionally .master_params
+    and .critic_master_params (fp32, one per trainable parameter in parameters() order, or None).
+    on_stage(stage) is called at each of STAGES (tests inject crashes there). Copies every tensor
+    to the CPU (a host sync) and fsyncs every file and directory it writes.
+    """
+    on_stage = on_stage or (lambda stage: None)
+    ckpt_root = run_dir / "checkpoints"
+    if not ckpt_root.is_dir():
+        ckpt_root.mkdir(parents=True)
+        _fsync(run_dir)
+    name = _fresh_name(ckpt_root, update)
+    tmp, final = ckpt_root / f".tmp-{name}", ckpt_root / name
+    tmp.mkdir()
+    _write_files(tmp, model=model, learner=learner, state=state, on_stage=on_stage)
+    _fsync_tree(tmp)
+    on_stage("written")
     tmp.rename(final)
+    _fsync(ckpt_root)
     pointer = ckpt_root / "latest.tmp"
-    pointer.write_text(final.name)
+    pointer.write_text(name)
+    _fsync(pointer)
+    on_stage("before-pointer")
     os.replace(pointer, ckpt_root / "latest")
+    _fsync(ckpt_root)
+    on_stage("after-pointer")
+    base = f"update-{update:06d}"
+    for p in ckpt_root.iterdir():
+        superseded = p.name == base or p.name.startswith(base + ".")
+        if p.is_dir() and p.name != name and (superseded or p.name.startswith(".tmp-")):
+            shutil.rmtree(p)
     return final
 
 
@@ -66,16 +155,61 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / pointer.read_text().strip()
 
 
+def _trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters masters align with (all of them unless some are frozen), in parameters() order."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def _load_masters(file: Path, module: torch.nn.Module, masters: list[torch.Tensor]) -> None:
+    """Saved fp32 masters into `masters` in place, then each rounded master into its parameter in place."""
+    params = _trainable(module)
+    if len(masters) != len(params):
+        raise CheckpointError(f"{len(masters)} master tensors for {len(params)} trainable parameters")
+    if file.is_file():
+        saved = load_file(str(file))
+        if len(saved) != len(masters):
+            raise CheckpointError(f"{file}: {len(saved)} masters, the learner has {len(masters)}")
+        for i, m in enumerate(masters):
+            m.copy_(saved[f"master.{i}"])
+    else:  # a checkpoint from before masters were saved: the rounded weights are all there is
+        for m, p in zip(masters, params):
+            m.copy_(p)
+    for m, p in zip(masters, params):
+        p.copy_(m)
+
+
+@torch.no_grad()
+def _load_ref(file: Path, ref: torch.nn.Module) -> None:
+    saved = load_file(str(file))
+    for name, t in _unique_state(ref).items():
+        if name not in saved:
+            raise CheckpointError(f"{file}: missing tensor {name!r}")
+        t.copy_(saved[name])
+
+
 def load_checkpoint(path: Path, *, model, learner) -> dict:
-    """Restore weights in place (the engine keeps sharing them), optimizers and critic; returns state.json."""
+    """Restore in place (the engine keeps sharing the weights): model, masters, ref, optimizers, critic.
+
+    Returns state.json. With master_params the model ends up holding the rounded saved masters;
+    a checkpoint without ref.safetensors (older layout) leaves learner.ref as it is.
+    """
     saved = load_pretrained(path / "model", dtype=model.dtype, device="cpu")
     with torch.no_grad():
         for p, q in zip(model.parameters(), saved.parameters()):
             p.copy_(q)
+    masters = getattr(learner, "master_params", None)
+    if masters is not None:
+        _load_masters(path / "master.safetensors", model, masters)
+    if learner.ref is not None and (path / "ref.safetensors").is_file():
+        _load_ref(path / "ref.safetensors", learner.ref)
     tensors = load_file(str(path / "optim.safetensors"))
     metas = json.loads((path / "optim.json").read_text())
     _optim_from_files(learner.opt, tensors, metas["actor"], "actor", model.device)
     if learner.critic is not None:
         learner.critic.load_state_dict(load_file(str(path / "critic.safetensors")))
+        critic_masters = getattr(learner, "critic_master_params", None)
+        if critic_masters is not None:
+            _load_masters(path / "critic_master.safetensors", learner.critic, critic_masters)
         _optim_from_files(learner.critic_opt, tensors, metas["critic"], "critic", model.device)
     return json.loads((path / "state.json").read_text())
