@@ -6,18 +6,20 @@ with dynamic sampling (DAPO), groups whose responses all pass or all fail are dr
 more prompts are sampled until B_train = P*G responses are retained. Asynchronous partial
 rollouts: when B_gen > B_train, requests still unfinished at an update boundary stay in the
 engine and continue under the new weights; each response records its policy lag (updates
-between its oldest token and the update that consumes it). Responses older than max_lag are
-aborted and counted.
+between its oldest token and the update that consumes it). A request whose lag passes max_lag
+is aborted as soon as the weights move on (its KV blocks freed, a fresh prompt submitted in
+its place), not generated to the end and then dropped. Rewards go through a RewardScorer per
+collect() call: failures score 0 and are counted; above max_reward_error_frac the call raises.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.tokenizer import Tokenizer
+from rlengine.rl.rewards import RewardScorer
 from rlengine.rl.tasks import Problem, Task
 
 
@@ -87,7 +89,8 @@ def _rng_from(d: list) -> tuple:
 class CollectStats:
     groups_scored: int = 0
     groups_dropped: int = 0
-    groups_stale: int = 0
+    groups_stale: int = 0                # finished groups dropped for policy lag > max_lag
+    stale_aborted: int = 0               # requests aborted in flight once their lag passed max_lag
     reward_errors: int = 0
     filter_fallback: bool = False        # dynamic sampling hit its budget and kept groups unfiltered
 
@@ -99,7 +102,7 @@ class CollectStats:
 class RolloutCollector:
     def __init__(self, llm: LLM, tokenizer: Tokenizer, task: Task, *, group_size: int, b_train: int, b_gen: int,
                  params: SamplingParams, sampler: PrioritySampler, dynamic_sampling: bool, max_lag: int,
-                 max_filter_factor: int = 8):
+                 max_filter_factor: int = 8, max_reward_error_frac: float = 0.01):
         self.llm, self.tok, self.task = llm, tokenizer, task
         self.G, self.b_train, self.b_gen = group_size, b_train, b_gen
         self.params = params
@@ -107,9 +110,11 @@ class RolloutCollector:
         self.dynamic_sampling = dynamic_sampling
         self.max_lag = max_lag
         self.max_filter_factor = max_filter_factor
+        self.max_reward_error_frac = max_reward_error_frac
         self.filtering = True
         self.in_flight: dict[str, int] = {}          # request id -> problem index
         self.ready: list[RolloutGroup] = []           # retained groups not yet consumed
+        self.checked_version = -1                     # weight version of the last stale scan
 
     @property
     def async_mode(self) -> bool:
@@ -127,10 +132,14 @@ class RolloutCollector:
         Dynamic sampling gives up filtering once max_filter_factor * P groups were scored in this
         call (a policy that passes or fails everything would otherwise sample forever); the
         remaining groups are then kept unfiltered and the fallback is counted.
+        Raises RewardError when more than max_reward_error_frac of the responses scored in this
+        call had a failing reward.
         """
         need = self.b_train // self.G
         scored_at_start = stats.groups_scored
+        scorer = RewardScorer(self.task.reward_fn, self.max_reward_error_frac)
         while True:
+            self.abort_stale(stats)
             self._drop_stale(stats)
             if len(self.ready) >= need:
                 break
@@ -141,10 +150,36 @@ class RolloutCollector:
             while len(self.in_flight) < cap:
                 self._submit()
             for out in self.llm.step():
-                self._score(out, stats)
+                self._score(out, scorer, stats)
+        scorer.check(f"rollout batch at weight version {self.llm.weight_version}")
         batch, self.ready = self.ready[:need], self.ready[need:]
         self.filtering = True
         return batch
+
+    def abort_stale(self, stats: CollectStats) -> None:
+        """Abort in-flight requests whose policy lag already exceeds max_lag (async mode only).
+
+        A request's lag is measured as RolloutGroup.lag: current weight version minus the
+        version of its oldest generated token. Later tokens are never older, so a request past
+        max_lag now would be dropped when it finishes; aborting it frees its KV blocks for a
+        fresh prompt. A request with no tokens yet (waiting, not prefilled) will be sampled by
+        the current weights and is kept. Lags only grow when the weight version changes, so
+        the scan runs once per version.
+        """
+        version = self.llm.weight_version
+        if not self.async_mode or version == self.checked_version:
+            return
+        self.checked_version = version
+        for rid in list(self.in_flight):
+            state = self.llm.requests.get(rid)
+            if state is None:  # finished, its output not handed out yet: scored (and lag-checked) by _score
+                continue
+            # versions are appended in nondecreasing order: versions[0] is the oldest token
+            oldest = min((s.versions[0] for s in state.seqs if s.versions), default=version)
+            if version - oldest > self.max_lag:
+                self.llm.abort_request(rid)
+                del self.in_flight[rid]
+                stats.stale_aborted += 1
 
     def _drop_stale(self, stats: CollectStats) -> None:
         """Retained groups wait in `ready` while the weights move on; drop those past max_lag."""
@@ -154,18 +189,12 @@ class RolloutCollector:
         stats.groups_stale += len(self.ready) - len(fresh)
         self.ready = fresh
 
-    def _score(self, out, stats: CollectStats) -> None:
+    def _score(self, out, scorer: RewardScorer, stats: CollectStats) -> None:
         idx = self.in_flight.pop(out.request_id)
         problem: Problem = self.task.train[idx]
-        rewards, errors = [], 0
-        for c in out.outputs:
-            try:
-                r = float(self.task.reward_fn(self.tok.decode(c.token_ids), problem.answer))
-                if not math.isfinite(r):
-                    raise ValueError(f"non-finite reward {r}")
-            except Exception:  # noqa: BLE001 - a user reward that raises must not stop the run
-                r, errors = 0.0, errors + 1
-            rewards.append(r)
+        errors_before = scorer.errors
+        rewards = [scorer.score(self.tok.decode(c.token_ids), problem.answer) for c in out.outputs]
+        errors = scorer.errors - errors_before
         stats.groups_scored += 1
         stats.reward_errors += errors
         self.sampler.update(idx, rewards)

@@ -6,8 +6,10 @@ and a reward function. Built-in tasks use the tiny built-in tokenizer's alphabet
   last-digit   "5830271694:" -> "4" with some digit of the prompt" (about 20% correct), RL
                                      has to find the right one
   addition     "12+34=" -> "46"  (multi-digit arithmetic; harder, for longer runs)
-User data: JSONL with one {"prompt": str, "answer": str} object per line; a malformed row is
-an error naming the file and line number.
+User data: JSONL with one {"prompt": str, "answer": str} object per line; a malformed row
+(bad JSON, an empty prompt, a non-string answer) is an error naming the file and line number,
+and each Problem keeps that origin (`source`) so later checks (Task.check_prompts: prompts
+too long for the model) can name the line too. All of this runs before training starts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 from pathlib import Path
 
+from rlengine.config import ConfigError
 from rlengine.rl.rewards import RewardFn, get_reward
 
 
@@ -25,6 +28,7 @@ from rlengine.rl.rewards import RewardFn, get_reward
 class Problem:
     prompt: str
     answer: str
+    source: str = ""                    # where it came from, "path:line" for JSONL rows; "" for built-ins
 
 
 @dataclass(slots=True)
@@ -43,14 +47,30 @@ class Task:
             return self.format_answer(problem, rng)
         return "".join(rng.choice(self.answer_alphabet) for _ in range(self.answer_len))
 
+    def check_prompts(self, encode: Callable[[str], list[int]], max_prompt_tokens: int,
+                      limit: str = "max_prompt_tokens") -> None:
+        """Raise DatasetError naming every problem (train and eval) whose prompt encodes to no
+        tokens or to more than max_prompt_tokens; `limit` says where the bound comes from."""
+        bad = []
+        for split, problems in (("train", self.train), ("eval", self.eval)):
+            for i, problem in enumerate(problems):
+                n = len(encode(problem.prompt))
+                if n == 0 or n > max_prompt_tokens:
+                    where = problem.source or f"{self.name} {split}[{i}]"
+                    bad.append(f"{where}: prompt encodes to no tokens" if n == 0 else
+                               f"{where}: prompt is {n} tokens, more than the {max_prompt_tokens} allowed ({limit})")
+        if bad:
+            more = f"\n(and {len(bad) - 5} more)" if len(bad) > 5 else ""
+            raise DatasetError(f"{len(bad)} prompt(s) do not fit the model:\n" + "\n".join(bad[:5]) + more)
+
 
 def _random_prompt_digit(problem: Problem, rng: random.Random) -> str:
     """A digit of the prompt at a uniformly random position: format + "copy some digit", not the rule."""
     return rng.choice([ch for ch in problem.prompt if ch.isdigit()])
 
 
-class DatasetError(ValueError):
-    """A dataset file is missing or has a malformed row."""
+class DatasetError(ConfigError):
+    """A dataset file is missing or has a malformed row (user input: the CLI prints one line)."""
 
 
 def _split(problems: list[Problem], num_eval: int, seed: int) -> tuple[list[Problem], list[Problem]]:
@@ -106,7 +126,14 @@ def read_jsonl(path: str | Path) -> list[Problem]:
             raise DatasetError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "answer" not in row:
             raise DatasetError(f"{path}:{lineno}: each row must be an object with a string 'prompt' and an 'answer'")
-        problems.append(Problem(row["prompt"], str(row["answer"])))
+        if not row["prompt"].strip():
+            raise DatasetError(f"{path}:{lineno}: the prompt is empty")
+        answer = row["answer"]
+        if not isinstance(answer, str):
+            # No silent str(): 0.50 would become "0.5", 1e3 "1000.0", true "True".
+            raise DatasetError(f"{path}:{lineno}: 'answer' must be a string, got {type(answer).__name__} "
+                               f"{json.dumps(answer)} (write it quoted, as in the file's other rows)")
+        problems.append(Problem(row["prompt"], answer, f"{path}:{lineno}"))
     if not problems:
         raise DatasetError(f"{path}: no rows")
     return problems
