@@ -56,21 +56,14 @@ def _cmd_demo(args) -> int:
 
 def _cmd_train(args) -> int:
     from importlib import resources
-    from pathlib import Path
 
-    from rlengine.rl.config import load_config
+    from rlengine.rl.config import load_config, resume_config
     from rlengine.rl.trainer import Trainer
 
     if args.resume:
-        run_dir = Path(args.resume)
-        saved = run_dir / "config.json"
-        if not saved.is_file():
-            raise SystemExit(f"--resume {run_dir}: no config.json there (not a run directory)")
-        import json
-
-        # the run's own config; overrides may extend it (e.g. --train.updates 200)
-        cfg = load_config(None, args.overrides, base=json.loads(saved.read_text()))
-        trainer = Trainer(cfg, resume=True)
+        # the run's own config; only overrides that keep its meaning apply (config.RESUME_OVERRIDABLE)
+        cfg = resume_config(args.resume, args.overrides)
+        trainer = Trainer(cfg, resume_from=args.resume)
     else:
         path = args.config
         if path is None:
@@ -142,9 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from rlengine.config import ConfigError
     from rlengine.model.loader import CheckpointError
+    from rlengine.rl.rewards import RewardError
 
     try:
         return args.func(args)
+    except RewardError as exc:  # the user's reward function failed too often: its first traceback, no ours
+        print(f"rlengine {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except (ConfigError, CheckpointError) as exc:  # the user's input, not a bug: one line, no traceback
         print(f"rlengine {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -90,7 +90,16 @@ def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[
 def grpo_batch(groups: list[RolloutGroup], *, normalize_std: bool) -> TrainBatch:
     """GRPO: group-relative advantages, one per response, broadcast over its tokens."""
     rewards_PG = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    adv_PG = grpo_advantages(rewards_PG, normalize_std=normalize_std)
+    return _flatten(groups, grpo_advantages(rewards_PG, normalize_std=normalize_std))
+
+
+def ppo_batch(groups: list[RolloutGroup]) -> TrainBatch:
+    """PPO: every response of every group (P x G sequences); advantages come later from the critic (GAE)."""
+    return _flatten(groups, torch.zeros(len(groups), len(groups[0].completions) if groups else 0))
+
+
+def _flatten(groups: list[RolloutGroup], adv_PG: torch.Tensor) -> TrainBatch:
+    """Pack the responses of `groups` in group order, response i of group p with advantage adv_PG[p, i]."""
     prompts, comps, lps, advs, rews, routing = [], [], [], [], [], []
     for g, adv_G in zip(groups, adv_PG.tolist()):
         for i, c in enumerate(g.completions):

@@ -48,9 +48,12 @@ class TaskSection:
     num_train: int = 2000
     num_eval: int = 128
     seed: int = 1234
+    max_reward_error_frac: float = 0.01  # rewards that raise score 0 up to this fraction of a batch; above: stop
 
     def __post_init__(self):
         _check(self.num_train >= 1 and self.num_eval >= 1, "task.num_train and task.num_eval must be >= 1")
+        _check(0.0 <= self.max_reward_error_frac <= 1.0,
+               f"task.max_reward_error_frac must be in [0, 1], got {self.max_reward_error_frac}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -68,6 +71,8 @@ class GenSection:
     max_lag: int = 1                     # drop partial rollouts older than this many updates (async)
     record_routing: bool = False         # MoE routing replay
     enforce_eager: bool = False          # GPU: no CUDA graphs for decode steps
+    logprobs_mode: str = "processed"     # behaviour log-probs: processed (the filtered distribution) | raw
+
 
     def __post_init__(self):
         _check(self.b_gen >= 0, f"gen.b_gen must be >= 0, got {self.b_gen}")
@@ -75,6 +80,13 @@ class GenSection:
         _check(0 < self.top_p <= 1, f"gen.top_p must be in (0, 1], got {self.top_p}")
         _check(self.max_tokens >= 1, f"gen.max_tokens must be >= 1, got {self.max_tokens}")
         _check(self.max_lag >= 0, f"gen.max_lag must be >= 0, got {self.max_lag}")
+        _check(self.logprobs_mode in ("raw", "processed"),
+               f"gen.logprobs_mode must be raw|processed, got {self.logprobs_mode!r}")
+
+    @property
+    def filtered(self) -> bool:
+        """True when top-k or top-p changes the distribution sampled from."""
+        return self.top_k > 0 or self.top_p < 1.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -90,6 +102,7 @@ class TrainSection:
     b0: int = 0                          # reference batch of the LR rule; 0 = this run's B_train
     lr_rule: str = "sqrt"                # sqrt | linear | none: eta = eta0 * (B/B0)^(1/2 | 1 | 0)
     weight_decay: float = 0.0
+    master_weights: str = "auto"         # auto (fp32 when the model dtype is not fp32) | fp32 | none
     betas: tuple[float, float] = (0.9, 0.99)
     micro_batch: int = 0                 # sequences per micro-batch; 0 = whole batch
     max_grad_norm: float = 1.0
@@ -114,6 +127,11 @@ class TrainSection:
         if self.group_size == 0:
             self.group_size = 8 if self.algo == "grpo" else 1
         _check(self.group_size >= 1, f"train.group_size must be >= 1, got {self.group_size}")
+        _check(self.algo != "grpo" or self.group_size >= 2,
+               f"train.group_size must be >= 2 for GRPO (got {self.group_size}): with one response per prompt "
+               "the group-relative advantage is always 0 and nothing is learned")
+        _check(self.master_weights in ("auto", "fp32", "none"),
+               f"train.master_weights must be auto|fp32|none, got {self.master_weights!r}")
         if self.b_train:
             _check(self.b_train % self.group_size == 0,
                    f"train.b_train ({self.b_train}) must be divisible by train.group_size G ({self.group_size})")
@@ -239,3 +257,44 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data.setdefault(section, {})[name] = _parse_value(value)
         i += 1
     return TrainConfig.from_dict(data)
+
+
+# Overrides a resumed run accepts: they change how long it runs, how it is evaluated, logged and
+# saved, never what an update computes. Any other override on --resume is an error.
+RESUME_OVERRIDABLE = ("train.updates", "eval.*", "run.checkpoint_every", "run.progress", "run.out_dir")
+
+
+def _override_keys(overrides: list[str]) -> list[str]:
+    """The dotted keys named in an override list (values skipped)."""
+    keys, i = [], 0
+    while i < len(overrides):
+        key = overrides[i]
+        if key.startswith("--") and "." in key:
+            keys.append(key[2:].split("=", 1)[0])
+            if "=" not in key:
+                i += 1
+        i += 1
+    return keys
+
+
+def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """The saved config of RUN_DIR (config.json) with the overrides a resume allows (RESUME_OVERRIDABLE).
+
+    run.out_dir defaults to RUN_DIR itself, so a resumed run reads its checkpoint from and writes
+    its metrics to the directory it was given, wherever it was first started.
+    """
+    import json
+
+    run_dir = Path(run_dir)
+    saved = run_dir / "config.json"
+    if not saved.is_file():
+        raise ConfigError(f"--resume {run_dir}: no config.json there (not a run directory)")
+    overrides = list(overrides or [])
+    for key in _override_keys(overrides):
+        section = key.split(".", 1)[0]
+        _check(key in RESUME_OVERRIDABLE or f"{section}.*" in RESUME_OVERRIDABLE,
+               f"--{key} cannot change on --resume (it would change what the run computes); "
+               f"allowed: {', '.join(RESUME_OVERRIDABLE)}")
+    base = json.loads(saved.read_text())
+    base.setdefault("run", {})["out_dir"] = str(run_dir)
+    return load_config(None, overrides, base=base)

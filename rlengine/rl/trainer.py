@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,10 +24,11 @@ from rlengine.engine import LLM, SamplingParams
 from rlengine.model.factory import build_model, default_device, tokenizer_for
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
-from rlengine.rl.batching import grpo_batch, pack
+from rlengine.rl.batching import grpo_batch, ppo_batch
 from rlengine.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.learner import Learner
+from rlengine.rl.rewards import score_outputs
 from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector
 from rlengine.rl.tasks import build_task
 from rlengine.rl.warmstart import format_warmstart
@@ -48,9 +50,12 @@ def _build_model(cfg: TrainConfig) -> tuple[Qwen3ForCausalLM, Tokenizer]:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False):
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, resume_from: str | Path | None = None):
+        """resume / resume_from: continue from the latest checkpoint of `resume_from` (default: run.out_dir);
+        metrics go to run.out_dir either way."""
         self.cfg = cfg
         self.run_dir = Path(cfg.run.out_dir)
+        self.resume_dir = Path(resume_from) if resume_from is not None else (self.run_dir if resume else None)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
@@ -59,6 +64,9 @@ class Trainer:
                                reward=cfg.task.reward, num_train=cfg.task.num_train, num_eval=cfg.task.num_eval,
                                seed=cfg.task.seed)
         g, t = cfg.gen, cfg.train
+        mpe = self.model.config.max_position_embeddings
+        self.task.check_prompts(self.tok.encode, mpe - g.max_tokens,
+                                limit=f"max_position_embeddings {mpe} - gen.max_tokens {g.max_tokens}")
         max_len = max(len(self.tok.encode(p.prompt)) for p in self.task.train + self.task.eval) + g.max_tokens + 1
         common = dict(block_size=g.block_size, max_model_len=min(max_len, self.model.config.max_position_embeddings),
                       attention_backend=g.backend, enforce_eager=g.enforce_eager)
@@ -68,27 +76,35 @@ class Trainer:
                             **common)
         for llm in (self.llm, self.eval_llm):  # GPU: capture decode graphs now, not inside timed steps
             llm.capture_decode_graphs()
-        self.learner = Learner(self.model, t, temperature=g.temperature, replay_routing=g.record_routing)
         self.sampler = PrioritySampler(len(self.task.train), cfg.run.seed, enabled=t.priority_sampling)
+        if g.filtered and g.logprobs_mode == "raw":
+            warnings.warn("gen.top_k / gen.top_p filter the sampled distribution but gen.logprobs_mode = 'raw' "
+                          "returns full-vocabulary log-probs: importance ratios are biased; use 'processed'",
+                          stacklevel=2)
         params = SamplingParams(n=t.group_size, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                                max_tokens=g.max_tokens)
+                                max_tokens=g.max_tokens, logprobs_mode=g.logprobs_mode)
         self.collector = RolloutCollector(self.llm, self.tok, self.task, group_size=t.group_size, b_train=t.b_train,
                                           b_gen=g.b_gen, params=params, sampler=self.sampler,
                                           dynamic_sampling=t.dynamic_sampling and t.algo == "grpo",
-                                          max_lag=g.max_lag)
+                                          max_lag=g.max_lag, max_reward_error_frac=cfg.task.max_reward_error_frac)
         self.update, self.N = 0, 0
         self.history: list[dict] = []
         self.telemetry = NvmlSampler()        # says plainly when GPU telemetry is unavailable
         self.timer = PhaseTimer(self.model.device)  # t_gen / t_train; syncs only at phase ends
         self.llm.phase_listener = self.telemetry
-        if resume:
-            self._resume()
-        else:
+        self.warmstart_losses: list[float] = []
+        if self.resume_dir is None:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
             (self.run_dir / "metrics.jsonl").write_text("")
             w = cfg.warmstart
             self.warmstart_losses = format_warmstart(self.model, self.tok, self.task, steps=w.steps, lr=w.lr,
                                                      batch=w.batch, seed=cfg.run.seed)
+        # Built after the warm start: the KL reference and the PPO critic start from the policy at
+        # update 0, not from the random initialisation (on resume, the checkpoint restores both).
+        self.learner = Learner(self.model, t, temperature=g.temperature, replay_routing=g.record_routing,
+                               logprobs_mode=g.logprobs_mode, top_k=g.top_k, top_p=g.top_p)
+        if self.resume_dir is not None:
+            self._resume()
 
     # ---- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -97,14 +113,9 @@ class Trainer:
         prompts = [self.tok.encode(p.prompt) for p in self.task.eval]
         outs = self.eval_llm.generate(prompts, SamplingParams(n=e.k, temperature=e.temperature, seed=0,
                                                               max_tokens=self.cfg.gen.max_tokens))
-        total = 0.0
-        for problem, out in zip(self.task.eval, outs):
-            for c in out.outputs:
-                try:
-                    total += float(self.task.reward_fn(self.tok.decode(c.token_ids), problem.answer))
-                except Exception:  # noqa: BLE001 - a failing reward scores 0 in evaluation too
-                    pass
-        return total / (len(prompts) * e.k)
+        j, self.eval_reward_errors = score_outputs(self.task.reward_fn, self.tok, self.task.eval, outs,
+                                                   self.cfg.task.max_reward_error_frac)
+        return j
 
     # ---- one update --------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -117,10 +128,8 @@ class Trainer:
             groups = self.collector.collect(stats)
         if t.algo == "grpo":
             batch = grpo_batch(groups, normalize_std=t.normalize_std)
-        else:
-            batch = pack([g.prompt_ids for g in groups], [g.completions[0] for g in groups],
-                         [g.logprobs[0] for g in groups], [0.0] * len(groups), [g.rewards[0] for g in groups],
-                         [g.routing_ids[0] for g in groups] if all(g.routing_ids for g in groups) else None)
+        else:  # PPO: every response of every group enters the update; the critic scores each
+            batch = ppo_batch(groups)
         batch = batch.to(self.model.device)
         critic_only = t.algo == "ppo" and self.update < t.critic_warmup
         with self.timer.phase("train"):
@@ -142,7 +151,8 @@ class Trainer:
             "update": self.update, "N": self.N, "critic_only": critic_only, "skipped": m["skipped"],
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
             "retained_fraction": stats.retained_fraction, "groups_dropped": stats.groups_dropped,
-            "stale_dropped": stats.groups_stale, "reward_errors": stats.reward_errors,
+            "stale_dropped": stats.groups_stale, "stale_aborted": stats.stale_aborted,
+            "reward_errors": stats.reward_errors,
             "filter_fallback": stats.filter_fallback,
             "t_gen": t_gen, "t_train": t_train, "q_gen": t.b_train / t_gen, "q": t.b_train / (t_gen + t_train),
             "actor_grad_norm": m["actor_grad_norm"], "critic_grad_norm": m["critic_grad_norm"],
@@ -174,6 +184,7 @@ class Trainer:
                 record = self.train_step()
                 if self.update % cfg.eval.every == 0 or self.update == cfg.train.updates:
                     record["J"] = self.evaluate()
+                    record["eval_reward_errors"] = self.eval_reward_errors
                 self._log(record)
                 bar.advance(record)
                 if cfg.run.checkpoint_every and self.update % cfg.run.checkpoint_every == 0:
@@ -210,15 +221,16 @@ class Trainer:
         return save_checkpoint(self.run_dir, self.update, model=self.model, learner=self.learner, state=state)
 
     def _resume(self) -> None:
-        path = latest_checkpoint(self.run_dir)
+        path = latest_checkpoint(self.resume_dir)
         state = load_checkpoint(path, model=self.model, learner=self.learner)
         self.update, self.N = state["update"], state["N"]
         self.llm.weight_version = state["weight_version"]
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         self.llm.runner.sampler.generator.set_state(torch.tensor(state["engine_rng"], dtype=torch.uint8))
-        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        metrics = self.resume_dir / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
         kept = [ln for ln in lines if ln and json.loads(ln)["update"] <= self.update]
         (self.run_dir / "metrics.jsonl").write_text("".join(ln + "\n" for ln in kept))
+        (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
         self.history = [json.loads(ln) for ln in kept]
-        self.warmstart_losses = []
