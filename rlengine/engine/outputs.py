@@ -16,7 +16,7 @@ class CompletionOutput:
 
     index: int                       # sample index within the request (0..n-1)
     token_ids: list[int]             # generated tokens
-    logprobs: list[float]            # log_softmax(logits / T) of each generated token (full vocabulary)
+    logprobs: list[float]            # log-prob of each generated token (SamplingParams.logprobs_mode)
     finish_reason: str               # "stop" | "length" | "abort"
     policy_versions: list[int]       # engine weight version that sampled each token
     routing_ids: torch.Tensor | None = None  # [prompt + generated - 1, L_moe, K] expert ids when recorded
