@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 # dtype names accepted on the command line and in configs
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}  # float64: a test-only dtype (exact multi-rank equivalence)
 
 ARCH_DENSE = "Qwen3ForCausalLM"
 ARCH_MOE = "Qwen3MoeForCausalLM"

@@ -183,7 +183,7 @@ class Qwen3Model(nn.Module):
         """fast=True: the engine's inference path (fused kernels of fused_ops_for, no autograd; the
         torch path where a device has none). fast=False: the differentiable torch path."""
         x_TC = self.embed_tokens(input_ids_T)
-        ops = fused_ops_for(x_TC.device) if fast else None
+        ops = fused_ops_for(x_TC.device) if fast and x_TC.dtype != torch.float64 else None  # fp64: torch ops
         if ops is not None:
             if torch.is_grad_enabled() and x_TC.requires_grad:
                 raise RuntimeError("the fused inference path (fast=True) has no autograd; run it under "
@@ -256,14 +256,25 @@ class Qwen3ForCausalLM(nn.Module):
         the learner's fused log-prob kernel computes from the same hidden states and weights.
         """
         w = self.lm_head.weight
-        if w.dtype == torch.float32 or hidden_TC.shape[0] == 0:
-            if _SKINNY and hidden_TC.device.type == "cpu":
+        if w.dtype in (torch.float32, torch.float64) or hidden_TC.shape[0] == 0:
+            if _SKINNY and hidden_TC.device.type == "cpu" and w.dtype == torch.float32:
                 return _linear_nograd(hidden_TC, w)
             return F.linear(hidden_TC, w)
         return logits_fp32(hidden_TC, w)
 
-    def forward(self, input_ids_BS: torch.Tensor, *, fast: bool = False) -> torch.Tensor:
-        """Plain causal forward, no cache: input_ids [B, S] -> logits [B, S, V] (fast: fused no-grad path)."""
+    def forward(self, input_ids_BS: torch.Tensor, *, cu_seqlens: list[int] | None = None, head=None,
+                fast: bool = False):
+        """Plain causal forward, no cache: input_ids [B, S] -> logits [B, S, V] (fast: fused no-grad path).
+
+        With cu_seqlens: the packed forward of input_ids [T] (forward_packed); `head(hidden_TC, W_VC)`,
+        when given, replaces the LM head (the learner's log-prob kernel). The learner calls this
+        entry point so that DDP / FSDP wrappers see its forward.
+        """
+        if cu_seqlens is not None:
+            if head is None:
+                return self.forward_packed(input_ids_BS, cu_seqlens, fast=fast)
+            return head(self.forward_packed(input_ids_BS, cu_seqlens, return_hidden=True, fast=fast),
+                        self.lm_head.weight)
         B, S = input_ids_BS.shape
         positions = torch.arange(S, device=input_ids_BS.device).repeat(B)
         ctx = DenseCausal(B, S, self.config.head_dim ** -0.5)

@@ -53,6 +53,15 @@ class TrainBatch:
                 routing_ids=None if self.routing_ids is None else self.routing_ids[a:b]))
         return out
 
+    @staticmethod
+    def filler(device) -> "TrainBatch":
+        """A one-token micro-batch with no trained position: its losses and gradients are exactly 0.
+        A rank with fewer micro-batches runs these so every rank joins the same collectives."""
+        z = torch.zeros(1, device=device)
+        ids = torch.zeros(1, dtype=torch.long, device=device)
+        return TrainBatch(input_ids=ids, targets=ids, loss_mask=z, old_logprobs=z, advantages=z,
+                          rewards=z, seq_ids=ids, cu_seqlens=[0, 1])
+
     def to(self, device) -> "TrainBatch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return TrainBatch(input_ids=move(self.input_ids), targets=move(self.targets),
@@ -81,14 +90,17 @@ def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[
     route = None
     if routing:
         route = torch.cat([r[: cu[i + 1] - cu[i]] for i, r in enumerate(routing)])
-    return TrainBatch(input_ids=torch.tensor(ids), targets=torch.tensor(tgts), loss_mask=torch.tensor(mask),
-                      old_logprobs=torch.tensor(old), advantages=torch.tensor(adv),
-                      rewards=torch.tensor(rewards, dtype=torch.float32), seq_ids=torch.tensor(sid), cu_seqlens=cu,
-                      routing_ids=route)
+    f32, i64 = torch.float32, torch.int64  # explicit: an empty batch (a rank with no groups) keeps its dtypes
+    return TrainBatch(input_ids=torch.tensor(ids, dtype=i64), targets=torch.tensor(tgts, dtype=i64),
+                      loss_mask=torch.tensor(mask, dtype=f32), old_logprobs=torch.tensor(old, dtype=f32),
+                      advantages=torch.tensor(adv, dtype=f32), rewards=torch.tensor(rewards, dtype=f32),
+                      seq_ids=torch.tensor(sid, dtype=i64), cu_seqlens=cu, routing_ids=route)
 
 
 def grpo_batch(groups: list[RolloutGroup], *, normalize_std: bool) -> TrainBatch:
     """GRPO: group-relative advantages, one per response, broadcast over its tokens."""
+    if not groups:  # this rank's share of the update can be empty
+        return _flatten(groups, torch.zeros(0, 0))
     rewards_PG = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
     return _flatten(groups, grpo_advantages(rewards_PG, normalize_std=normalize_std))
 

@@ -35,8 +35,24 @@ STAGES = (
 )
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: FSDP's DTensor shards are all-gathered (a collective: every rank calls it)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`full` laid out as `target`: this rank's shard when target is an FSDP DTensor (no communication:
+    every rank reads the whole file), else the tensor itself."""
+    if not hasattr(target, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(target.device, target.dtype), target.device_mesh, target.placements,
+                             src_data_rank=None)
+
+
 def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    return {k: _full(v.detach()).cpu().contiguous() for k, v in tensors.items()}
 
 
 def _unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -52,14 +68,18 @@ def _unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _optim_to_files(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict, dict]:
     sd = opt.state_dict()
-    tensors = {f"{prefix}.{i}.{k}": v.detach().cpu().contiguous()
+    tensors = {f"{prefix}.{i}.{k}": _full(v.detach()).cpu().contiguous()
                for i, st in sd["state"].items() for k, v in st.items() if torch.is_tensor(v)}
     return tensors, {"param_groups": sd["param_groups"], "state_keys": {str(i): list(st) for i, st in sd["state"].items()}}
 
 
 def _optim_from_files(opt: torch.optim.Optimizer, tensors: dict, meta: dict, prefix: str, device) -> None:
-    state = {int(i): {k: tensors[f"{prefix}.{i}.{k}"].to(device if k != "step" else "cpu") for k in keys}
-             for i, keys in meta["state_keys"].items()}
+    params = [p for group in opt.param_groups for p in group["params"]]
+
+    def placed(i: int, k: str) -> torch.Tensor:
+        t = tensors[f"{prefix}.{i}.{k}"]
+        return t if k == "step" else _like(t.to(device), params[i])
+    state = {int(i): {k: placed(int(i), k) for k in keys} for i, keys in meta["state_keys"].items()}
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
@@ -79,23 +99,33 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(dirpath))
 
 
-def _write_files(out: Path, *, model, learner, state: dict, on_stage) -> None:
-    save_pretrained(model, out / "model")
-    on_stage("partial")
+def _gather(learner) -> dict[str, dict]:
+    """Every tensor file of a checkpoint but the model's, as CPU tensors: {file stem: tensors}.
+    Under FSDP the masters and optimizer states are all-gathered here, on every rank in the same order."""
+    files: dict[str, dict] = {}
     for file, masters in (("master", getattr(learner, "master_params", None)),
                           ("critic_master", getattr(learner, "critic_master_params", None))):
         if masters is not None:
-            save_file(_cpu({f"master.{i}": m for i, m in enumerate(masters)}), str(out / f"{file}.safetensors"))
+            files[file] = _cpu({f"master.{i}": m for i, m in enumerate(masters)})
     if learner.ref is not None:
-        save_file(_cpu(_unique_state(learner.ref)), str(out / "ref.safetensors"))
+        files["ref"] = _cpu(_unique_state(learner.ref))
     tensors, meta = _optim_to_files(learner.opt, "actor")
-    metas = {"actor": meta}
+    files["_metas"] = {"actor": meta}
     if learner.critic is not None:
-        save_file(_cpu(learner.critic.state_dict()), str(out / "critic.safetensors"))
+        files["critic"] = _cpu(learner.critic.state_dict())
         ct, cm = _optim_to_files(learner.critic_opt, "critic")
         tensors.update(ct)
-        metas["critic"] = cm
-    save_file(tensors, str(out / "optim.safetensors"))
+        files["_metas"]["critic"] = cm
+    files["optim"] = tensors
+    return files
+
+
+def _write_files(out: Path, files: dict[str, dict], *, model, state: dict, on_stage) -> None:
+    save_pretrained(model, out / "model")
+    on_stage("partial")
+    metas = files.pop("_metas")
+    for stem, tensors in files.items():
+        save_file(tensors, str(out / f"{stem}.safetensors"))
     (out / "optim.json").write_text(json.dumps(metas))
     (out / "state.json").write_text(json.dumps(state))
 
@@ -112,23 +142,28 @@ def _fresh_name(ckpt_root: Path, update: int) -> str:
 
 
 def save_checkpoint(run_dir: Path, update: int, *, model, learner, state: dict,
-                    on_stage: Callable[[str], None] | None = None) -> Path:
+                    on_stage: Callable[[str], None] | None = None, write: bool = True) -> Path:
     """Write a checkpoint of `update` and point checkpoints/latest at it; returns its directory.
 
     learner: .opt, .critic/.critic_opt (or None), .ref (or None), and optionally .master_params
     and .critic_master_params (fp32, one per trainable parameter in parameters() order, or None).
     on_stage(stage) is called at each of STAGES (tests inject crashes there). Copies every tensor
-    to the CPU (a host sync) and fsyncs every file and directory it writes.
+    to the CPU (a host sync) and fsyncs every file and directory it writes. Several ranks: every
+    rank calls it (FSDP shards are gathered), only the one with write=True writes (the model must
+    hold full parameters: under FSDP, call it inside Dist.unsharded).
     """
     on_stage = on_stage or (lambda stage: None)
+    files = _gather(learner)
     ckpt_root = run_dir / "checkpoints"
+    if not write:
+        return ckpt_root
     if not ckpt_root.is_dir():
         ckpt_root.mkdir(parents=True)
         _fsync(run_dir)
     name = _fresh_name(ckpt_root, update)
     tmp, final = ckpt_root / f".tmp-{name}", ckpt_root / name
     tmp.mkdir()
-    _write_files(tmp, model=model, learner=learner, state=state, on_stage=on_stage)
+    _write_files(tmp, files, model=model, state=state, on_stage=on_stage)
     _fsync_tree(tmp)
     on_stage("written")
     tmp.rename(final)
@@ -171,7 +206,7 @@ def _load_masters(file: Path, module: torch.nn.Module, masters: list[torch.Tenso
         if len(saved) != len(masters):
             raise CheckpointError(f"{file}: {len(saved)} masters, the learner has {len(masters)}")
         for i, m in enumerate(masters):
-            m.copy_(saved[f"master.{i}"])
+            m.copy_(_like(saved[f"master.{i}"], m))
     else:  # a checkpoint from before masters were saved: the rounded weights are all there is
         for m, p in zip(masters, params):
             m.copy_(p)
@@ -185,7 +220,7 @@ def _load_ref(file: Path, ref: torch.nn.Module) -> None:
     for name, t in _unique_state(ref).items():
         if name not in saved:
             raise CheckpointError(f"{file}: missing tensor {name!r}")
-        t.copy_(saved[name])
+        t.copy_(_like(saved[name], t))
 
 
 def load_checkpoint(path: Path, *, model, learner) -> dict:
@@ -197,7 +232,7 @@ def load_checkpoint(path: Path, *, model, learner) -> dict:
     saved = load_pretrained(path / "model", dtype=model.dtype, device="cpu")
     with torch.no_grad():
         for p, q in zip(model.parameters(), saved.parameters()):
-            p.copy_(q)
+            p.copy_(_like(q, p))
     masters = getattr(learner, "master_params", None)
     if masters is not None:
         _load_masters(path / "master.safetensors", model, masters)
@@ -207,7 +242,10 @@ def load_checkpoint(path: Path, *, model, learner) -> dict:
     metas = json.loads((path / "optim.json").read_text())
     _optim_from_files(learner.opt, tensors, metas["actor"], "actor", model.device)
     if learner.critic is not None:
-        learner.critic.load_state_dict(load_file(str(path / "critic.safetensors")))
+        critic_saved = load_file(str(path / "critic.safetensors"))
+        with torch.no_grad():
+            for name, t in learner.critic.state_dict().items():
+                t.copy_(_like(critic_saved[name], t))
         critic_masters = getattr(learner, "critic_master_params", None)
         if critic_masters is not None:
             _load_masters(path / "critic_master.safetensors", learner.critic, critic_masters)

@@ -33,7 +33,9 @@ class ModelSection:
     moe_impl: str = "ref"                # ref | triton | auto (triton on GPU)
 
     def __post_init__(self):
-        _check(self.dtype in ("float32", "bfloat16", "float16"), f"model.dtype must be float32|bfloat16|float16, got {self.dtype!r}")
+        # float64 is for tests: runs on 1 and 2 ranks then agree token for token (no rounding flips)
+        _check(self.dtype in ("float32", "bfloat16", "float16", "float64"),
+               f"model.dtype must be float32|bfloat16|float16|float64, got {self.dtype!r}")
         _check(self.moe_impl in ("ref", "triton", "auto"), f"model.moe_impl must be ref|triton|auto, got {self.moe_impl!r}")
 
 
@@ -103,6 +105,7 @@ class TrainSection:
     lr_rule: str = "sqrt"                # sqrt | linear | none: eta = eta0 * (B/B0)^(1/2 | 1 | 0)
     weight_decay: float = 0.0
     master_weights: str = "auto"         # auto (fp32 when the model dtype is not fp32) | fp32 | none
+    parallel: str = "auto"               # several ranks: none | ddp | fsdp; auto = ddp when world size > 1
     betas: tuple[float, float] = (0.9, 0.99)
     micro_batch: int = 0                 # sequences per micro-batch; 0 = whole batch
     max_grad_norm: float = 1.0
@@ -130,6 +133,8 @@ class TrainSection:
         _check(self.algo != "grpo" or self.group_size >= 2,
                f"train.group_size must be >= 2 for GRPO (got {self.group_size}): with one response per prompt "
                "the group-relative advantage is always 0 and nothing is learned")
+        _check(self.parallel in ("auto", "none", "ddp", "fsdp"),
+               f"train.parallel must be auto|none|ddp|fsdp, got {self.parallel!r}")
         _check(self.master_weights in ("auto", "fp32", "none"),
                f"train.master_weights must be auto|fp32|none, got {self.master_weights!r}")
         if self.b_train:
@@ -166,8 +171,15 @@ class WarmStartSection:
 @dataclass(slots=True, kw_only=True)
 class EvalSection:
     every: int = 5                       # updates between evaluations (and at 0 and the end)
+    every_responses: int = 0             # if > 0: evaluate each time N crosses a multiple of this (not `every`)
     k: int = 1                           # mean@k samples per prompt
     temperature: float = 0.0             # 0 = greedy
+
+    def __post_init__(self):
+        _check(self.every >= 1, f"eval.every must be >= 1, got {self.every}")
+        _check(self.every_responses >= 0, f"eval.every_responses must be >= 0, got {self.every_responses}")
+        _check(self.k >= 1, f"eval.k must be >= 1, got {self.k}")
+        _check(self.temperature >= 0, f"eval.temperature must be >= 0, got {self.temperature}")
 
 
 @dataclass(slots=True, kw_only=True)

@@ -25,26 +25,29 @@ from rlengine.rl.advantages import gae
 from rlengine.rl.batching import TrainBatch
 from rlengine.rl.config import TrainSection
 from rlengine.rl.losses import kl_k3, masked_aggregate, policy_loss, value_loss
+from rlengine.rl.distributed import Dist
 from rlengine.rl.optim import LearnerOptimizer, use_master_weights
 from rlengine.rl.value import ValueModel
 
 
-def token_logprobs(model: Qwen3ForCausalLM, mb: TrainBatch, temperature: float, fused: bool):
-    """(logp [T], entropy [T]) of mb.targets under `model` (raw definition), fp32, differentiable.
+def token_logprobs(module, mb: TrainBatch, temperature: float, fused: bool):
+    """(logp [T], entropy [T]) of mb.targets under `module` (raw definition), fp32, differentiable.
 
-    The learner's forward is the differentiable torch path (fast=False); its numbers agree with the
-    engine's fused inference path to rounding (tests/test_logprob_parity.py measures the residual).
+    `module` is the model or its DDP / FSDP wrapper: the call goes through its forward(), so the
+    wrappers' hooks run. The learner's forward is the differentiable torch path (fast=False); it
+    agrees with the engine's fused inference path to rounding (tests/test_logprob_parity.py).
     """
-    hidden = model.forward_packed(mb.input_ids, mb.cu_seqlens, return_hidden=True)
     if fused:
         from rlengine.kernels.fused_logprob import fused_logprob as fn
     else:
         from rlengine.kernels.fused_logprob import fused_logprob_ref as fn
-    return fn(hidden, model.lm_head.weight, mb.targets, temperature=temperature, return_entropy=True)
+
+    def head(hidden_TC, w_VC):
+        return fn(hidden_TC, w_VC, mb.targets, temperature=temperature, return_entropy=True)
+    return module(mb.input_ids, cu_seqlens=mb.cu_seqlens, head=head)
 
 
-def processed_token_logprobs(model: Qwen3ForCausalLM, mb: TrainBatch, temperature: float, top_k: int,
-                             top_p: float):
+def processed_token_logprobs(module, mb: TrainBatch, temperature: float, top_k: int, top_p: float):
     """(logp [T], entropy [T]) under the top-k / top-p filtered distribution at `temperature`.
 
     The same quantity the engine returns with logprobs_mode="processed" (sampler.sequence_logprobs);
@@ -53,44 +56,78 @@ def processed_token_logprobs(model: Qwen3ForCausalLM, mb: TrainBatch, temperatur
     """
     from rlengine.engine.sampler import sequence_logprobs
 
-    hidden = model.forward_packed(mb.input_ids, mb.cu_seqlens, return_hidden=True)
-    logits_TV = logits_fp32(hidden, model.lm_head.weight)
-    logp = sequence_logprobs(logits_TV, mb.targets, temperature=temperature, top_k=top_k, top_p=top_p,
-                             mode="processed")
-    full_TV = (logits_TV / temperature).log_softmax(dim=-1)
-    return logp, -(full_TV.exp() * full_TV).sum(dim=-1)
+    def head(hidden_TC, w_VC):
+        logits_TV = logits_fp32(hidden_TC, w_VC)
+        logp = sequence_logprobs(logits_TV, mb.targets, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 mode="processed")
+        full_TV = (logits_TV / temperature).log_softmax(dim=-1)
+        return logp, -(full_TV.exp() * full_TV).sum(dim=-1)
+    return module(mb.input_ids, cu_seqlens=mb.cu_seqlens, head=head)
 
 
 class Learner:
     def __init__(self, model: Qwen3ForCausalLM, cfg: TrainSection, *, temperature: float = 1.0,
                  fused_logprob: bool | None = None, replay_routing: bool = False, logprobs_mode: str = "raw",
-                 top_k: int = -1, top_p: float = 1.0):
+                 top_k: int = -1, top_p: float = 1.0, dist: Dist | None = None):
         self.model, self.cfg = model, cfg
+        self.dist = dist or Dist()
         self.temperature = temperature
         self.fused = model.device.type == "cuda" if fused_logprob is None else fused_logprob
         self.replay_routing = replay_routing
         self.logprobs_mode, self.top_k, self.top_p = logprobs_mode, top_k, top_p
+        # The KL reference is the policy as it is NOW (the trainer builds the learner after the
+        # format warm start, so this is the policy at update 0); checkpoints save and restore it.
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        self.critic = ValueModel(model) if cfg.algo == "ppo" else None
+        self.parallel = cfg.parallel if cfg.parallel != "auto" else ("ddp" if self.dist.enabled else "none")
+        self.actor_fwd, self.critic_fwd = self._parallelize()
         masters = use_master_weights(cfg.master_weights, model.dtype)
         self.optim = LearnerOptimizer(model.parameters(), lr=cfg.lr_effective, betas=cfg.betas,
                                       weight_decay=cfg.weight_decay, masters=masters)
         self.opt, self.master_params = self.optim.opt, self.optim.master_params
-        # The KL reference is the policy as it is NOW (the trainer builds the learner after the
-        # format warm start, so this is the policy at update 0); checkpoints save and restore it.
-        self.ref = None
-        if cfg.kl_coef > 0:
-            self.ref = copy.deepcopy(model).eval().requires_grad_(False)
-        self.critic = self.critic_opt = self.critic_optim = self.critic_master_params = None
-        if cfg.algo == "ppo":
-            self.critic = ValueModel(model)
+        self.critic_opt = self.critic_optim = self.critic_master_params = None
+        if self.critic is not None:
             self.critic_optim = LearnerOptimizer(self.critic.parameters(), lr=cfg.lr_effective * cfg.critic_lr_mult,
                                                  betas=cfg.betas, weight_decay=cfg.weight_decay, masters=masters)
             self.critic_opt, self.critic_master_params = self.critic_optim.opt, self.critic_optim.master_params
 
-    def token_logprobs(self, model: Qwen3ForCausalLM, mb: TrainBatch):
+    def _parallelize(self):
+        """Wrap for the parallel mode; returns the modules the learner calls (actor, critic)."""
+        if self.parallel == "none" or not self.dist.enabled:
+            return self.model, self.critic
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from rlengine.rl.distributed import fp32_allreduce_hook, fsdp_shard
+
+        for m in (self.model, self.critic, self.ref):  # identical replicas to start from (warm start)
+            if m is not None:
+                for t in m.state_dict().values():
+                    torch.distributed.broadcast(t, 0)
+        if self.parallel == "ddp":
+            ids = None if self.model.device.type == "cpu" else [self.model.device.index]
+            # MoE: experts no token was routed to get no gradient in a step
+            actor = DDP(self.model, device_ids=ids, forward_sync_buffers=False,
+                        find_unused_parameters=self.model.config.is_moe)
+            actor.register_comm_hook(None, fp32_allreduce_hook)
+            critic = None
+            if self.critic is not None:
+                critic = DDP(self.critic, device_ids=ids, forward_sync_buffers=False)
+                critic.register_comm_hook(None, fp32_allreduce_hook)
+            return actor, critic
+        # fsdp: the policy, the reference and the critic trunk are sharded per decoder layer
+        one = torch.zeros(1, dtype=torch.long, device=self.model.device)
+        for m in (self.model, self.ref):
+            if m is not None:
+                fsdp_shard(m, list(m.model.layers), lambda mod: mod(one[None]))
+        if self.critic is not None:
+            fsdp_shard(self.critic, list(self.critic.trunk.layers), lambda mod: mod(one, [0, 1]))
+        return self.model, self.critic
+
+    def token_logprobs(self, module, mb: TrainBatch):
         """Log-probs of mb.targets under the learner's definition (= the engine's logprobs_mode)."""
         if self.logprobs_mode == "processed" and (self.top_k > 0 or self.top_p < 1.0):
-            return processed_token_logprobs(model, mb, self.temperature, self.top_k, self.top_p)
-        return token_logprobs(model, mb, self.temperature, self.fused)
+            return processed_token_logprobs(module, mb, self.temperature, self.top_k, self.top_p)
+        return token_logprobs(module, mb, self.temperature, self.fused)
 
     # ---- PPO advantages ---------------------------------------------------------------------
     @torch.no_grad()
@@ -98,12 +135,13 @@ class Learner:
         """Critic values and GAE on every response; writes whitened advantages into batch.advantages.
 
         A response's trained positions are the last n of its packed segment; the outcome reward
-        sits on its last token. Returns (old_values [T], returns [T]) for the value loss.
+        sits on its last token. Whitening uses the mean / std over the valid tokens of ALL ranks.
+        Returns (old_values [T], returns [T]) for the value loss.
         """
-        values_T = self.critic(batch.input_ids, batch.cu_seqlens)
+        values_T = self.critic_fwd(batch.input_ids, batch.cu_seqlens)
         segs = list(zip(batch.cu_seqlens, batch.cu_seqlens[1:]))
         lens = [int(batch.loss_mask[a:e].sum()) for a, e in segs]
-        B, L = len(segs), max(lens)
+        B, L = len(segs), max(lens, default=0)
         v, m, r = (values_T.new_zeros(B, L) for _ in range(3))
         for b, ((a, e), n) in enumerate(zip(segs, lens)):
             v[b, :n], m[b, :n] = values_T[e - n:e], 1.0
@@ -113,23 +151,41 @@ class Learner:
         for b, ((a, e), n) in enumerate(zip(segs, lens)):
             adv_T[e - n:e], ret_T[e - n:e] = adv_BL[b, :n], ret_BL[b, :n]
         valid = batch.loss_mask > 0
-        mu, sd = adv_T[valid].mean(), adv_T[valid].std(unbiased=False)
+        a_valid = adv_T[valid].double()
+        n, s1, s2 = self.dist.all_sum([float(valid.sum()), float(a_valid.sum()), float((a_valid ** 2).sum())])
+        mu = s1 / max(n, 1.0)
+        sd = math.sqrt(max(s2 / max(n, 1.0) - mu * mu, 0.0))
         batch.advantages = torch.where(valid, (adv_T - mu) / (sd + 1e-8), torch.zeros_like(adv_T))
         return values_T, ret_T
 
     # ---- the update -------------------------------------------------------------------------
     def _normalizer(self, batch: TrainBatch) -> float:
+        """The loss normaliser over the GLOBAL batch (all ranks): valid tokens, or valid sequences."""
         if self.cfg.agg == "token-mean":
-            return float(batch.loss_mask.sum())
-        return float(len({int(s) for s in batch.seq_ids[batch.loss_mask > 0].tolist()}))
+            local = float(batch.loss_mask.sum())
+        else:
+            local = float(len({int(s) for s in batch.seq_ids[batch.loss_mask > 0].tolist()}))
+        return self.dist.all_sum([local])[0]
 
     def _set_replay(self, mb: TrainBatch | None) -> None:
         for i, block in enumerate(self.model.moe_blocks()):
             block.replay_ids = None if mb is None or mb.routing_ids is None else mb.routing_ids[:, i]
 
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch | None]:
+        """This rank's micro-batches, padded with None (a no-op micro-batch) to the most any rank has:
+        every rank runs the same number of forwards and backwards, so the collectives line up."""
+        mbs = batch.micro_batches(self.cfg.micro_batch) if batch.num_seqs else []
+        count = int(self.dist.all_max([len(mbs)])[0]) if self.dist.enabled else len(mbs)
+        return mbs + [None] * (count - len(mbs))
+
     def compute_grads(self, batch: TrainBatch, *, critic_only: bool = False) -> dict:
-        """Zero grads, accumulate gradients over micro-batches; returns metrics (no optimizer step)."""
-        cfg = self.cfg
+        """Zero grads, accumulate gradients over micro-batches; returns GLOBAL metrics (no optimizer step).
+
+        Every loss is normalised by the global count, and multiplied by the world size because DDP
+        and FSDP average gradients over ranks: the summed gradient equals one process's full-batch
+        gradient. A rank with fewer (or no) micro-batches runs zero-weight ones (TrainBatch.filler).
+        """
+        cfg, world = self.cfg, self.dist.world
         self.optim.zero_grad()
         old_values = returns = None
         if self.critic is not None:
@@ -138,17 +194,23 @@ class Learner:
         norm = self._normalizer(batch)
         sums = {"clip_frac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0, "logprob_diff": 0.0,
                 "loss": 0.0, "value_loss": 0.0, "routing_disagreement": 0.0}
-        ntok = max(1.0, float(batch.loss_mask.sum()))
+        ntok = max(1.0, self.dist.all_sum([float(batch.loss_mask.sum())])[0])
+        mbs = self._micro_batches(batch)
         start = 0
-        for mb in batch.micro_batches(cfg.micro_batch):
-            a, b = mb.cu_seqlens[0] + start, mb.cu_seqlens[-1] + start
-            start = b
+        for i, mb in enumerate(mbs):
+            filler = mb is None
+            if filler:
+                mb = TrainBatch.filler(self.model.device)
+                a = b = 0
+            else:
+                a, b = mb.cu_seqlens[0] + start, mb.cu_seqlens[-1] + start
+                start = b
             w = float(mb.loss_mask.sum()) / ntok
             loss = torch.zeros((), device=mb.input_ids.device)
             if not critic_only:
                 if self.replay_routing:
                     self._set_replay(mb)
-                logp, ent = self.token_logprobs(self.model, mb)
+                logp, ent = self.token_logprobs(self.actor_fwd, mb)
                 self._set_replay(None)
                 pl, m = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.seq_ids,
                                     clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.agg, normalizer=norm)
@@ -166,25 +228,51 @@ class Learner:
                 valid = mb.loss_mask > 0
                 sums["logprob_diff"] += float((logp.detach() - mb.old_logprobs)[valid].abs().sum())
                 sums["entropy"] += float((ent.detach() * mb.loss_mask).sum())
-                sums["clip_frac"] += float(m["clip_frac"]) * w
-                sums["approx_kl"] += float(m["approx_kl"]) * w
+                if not filler:
+                    sums["clip_frac"] += float(m["clip_frac"]) * w
+                    sums["approx_kl"] += float(m["approx_kl"]) * w
                 blocks = self.model.moe_blocks()
-                if self.replay_routing and blocks and blocks[0].last_disagreement is not None:
+                if self.replay_routing and blocks and blocks[0].last_disagreement is not None and not filler:
                     sums["routing_disagreement"] += sum(float(bk.last_disagreement) for bk in blocks) / len(blocks) * w
+            critic_loss = None
             if self.critic is not None:
-                values = self.critic(mb.input_ids, mb.cu_seqlens)
-                vl, _ = value_loss(values, old_values[a:b], returns[a:b], mb.loss_mask, mb.seq_ids,
-                                   clip=cfg.vf_clip, agg=cfg.agg, normalizer=norm)
-                loss = loss + cfg.vf_coef * vl
+                values = self.critic_fwd(mb.input_ids, mb.cu_seqlens)
+                ov = values.detach() if filler else old_values[a:b]
+                rt = values.detach() if filler else returns[a:b]
+                vl, _ = value_loss(values, ov, rt, mb.loss_mask, mb.seq_ids, clip=cfg.vf_clip, agg=cfg.agg,
+                                   normalizer=norm)
+                critic_loss = cfg.vf_coef * vl
                 sums["value_loss"] += float(vl.detach())
-            loss.backward()
+            with self._no_sync(last=i == len(mbs) - 1):
+                # actor and critic share no parameters: two backward passes (FSDP2 finalises one root's
+                # gradients per backward), the same gradients as one pass over their sum
+                if loss.requires_grad:
+                    (loss * world).backward()
+                if critic_loss is not None:
+                    (critic_loss * world).backward()
+                    loss = loss + critic_loss.detach()
             self.optim.accumulate()
             if self.critic_optim is not None:
                 self.critic_optim.accumulate()
             sums["loss"] += float(loss.detach())
+        keys = list(sums)
+        sums = dict(zip(keys, self.dist.all_sum([sums[k] for k in keys])))
         sums["logprob_diff"] /= ntok
         sums["entropy"] /= ntok
         return sums
+
+    def _no_sync(self, *, last: bool):
+        """DDP without master weights: gradients accumulate locally and are reduced once, at the last
+        micro-batch. With masters every micro-batch is reduced (in fp32) before it moves into them."""
+        import contextlib
+
+        if last or self.parallel != "ddp" or self.master_params is not None or not self.dist.enabled:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for m in (self.actor_fwd, self.critic_fwd):
+            if m is not None:
+                stack.enter_context(m.no_sync())
+        return stack
 
     def step(self, batch: TrainBatch, *, critic_only: bool = False, phases=None) -> dict:
         """One full update: gradients, clipping, non-finite check, optimizer step(s). Returns metrics.
@@ -196,10 +284,10 @@ class Learner:
         metrics = self.compute_grads(batch, critic_only=critic_only)
         if phases is not None:
             phases.set_phase("optimizer")
-        actor_norm = torch.nn.utils.clip_grad_norm_(self.optim.grad_params, self.cfg.max_grad_norm)
+        actor_norm = _full(torch.nn.utils.clip_grad_norm_(self.optim.grad_params, self.cfg.max_grad_norm))
         critic_norm = None
         if self.critic is not None:
-            critic_norm = torch.nn.utils.clip_grad_norm_(self.critic_optim.grad_params, self.cfg.max_grad_norm)
+            critic_norm = _full(torch.nn.utils.clip_grad_norm_(self.critic_optim.grad_params, self.cfg.max_grad_norm))
         finite = math.isfinite(metrics["loss"]) and (critic_only or math.isfinite(float(actor_norm))) and (
             critic_norm is None or math.isfinite(float(critic_norm)))
         metrics.update(actor_grad_norm=float(actor_norm) if not critic_only else None,
@@ -215,3 +303,8 @@ class Learner:
         if self.critic_optim is not None:
             self.critic_optim.step()
         return metrics
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP's global grad norm) as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

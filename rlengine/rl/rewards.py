@@ -93,6 +93,15 @@ class RewardScorer:
     def error_frac(self) -> float:
         return self.errors / self.total if self.total else 0.0
 
+    def merge_ranks(self, dist) -> None:
+        """Sum the counts of every rank (a Dist; all ranks call it) and keep the first rank's first
+        traceback, so every rank decides alike and the failing rank's traceback is the one reported."""
+        if dist is None or not dist.enabled:
+            return
+        parts = dist.all_gather_objects((self.errors, self.total, self.first_error))
+        self.errors, self.total = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        self.first_error = next((p[2] for p in parts if p[2]), self.first_error)
+
     def check(self, where: str) -> None:
         """Raise RewardError when this batch's failure fraction is above the limit."""
         if self.error_frac > self.max_error_frac:
@@ -102,10 +111,11 @@ class RewardScorer:
 
 
 def score_outputs(reward_fn: RewardFn, tokenizer: Tokenizer, problems: list[Problem], outputs: list[RequestOutput],
-                  max_error_frac: float, where: str = "evaluation") -> tuple[float, int]:
+                  max_error_frac: float, where: str = "evaluation", dist=None) -> tuple[float, int]:
     """Mean reward over every sample of `outputs` (outputs[i] answers problems[i]) and the failure count.
 
-    Raises RewardError when more than max_error_frac of the calls failed.
+    With a multi-rank `dist` (rlengine.rl.distributed.Dist), each rank passes its shard and gets the
+    global mean and count. Raises RewardError when more than max_error_frac of the calls failed.
     """
     if len(problems) != len(outputs):
         raise ValueError(f"score_outputs: {len(outputs)} outputs for {len(problems)} problems")
@@ -114,6 +124,9 @@ def score_outputs(reward_fn: RewardFn, tokenizer: Tokenizer, problems: list[Prob
     for problem, out in zip(problems, outputs):
         for c in out.outputs:
             total += scorer.score(tokenizer.decode(c.token_ids), problem.answer)
+    if dist is not None and dist.enabled:
+        total = dist.all_sum([total])[0]
+        scorer.merge_ranks(dist)
     scorer.check(where)
     return total / max(1, scorer.total), scorer.errors
 

@@ -14,11 +14,14 @@ collect() call: failures score 0 and are counted; above max_reward_error_frac th
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import random
 from dataclasses import dataclass, field
 
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.tokenizer import Tokenizer
+from rlengine.rl.distributed import Dist
 from rlengine.rl.rewards import RewardScorer
 from rlengine.rl.tasks import Problem, Task
 
@@ -93,16 +96,38 @@ class CollectStats:
     stale_aborted: int = 0               # requests aborted in flight once their lag passed max_lag
     reward_errors: int = 0
     filter_fallback: bool = False        # dynamic sampling hit its budget and kept groups unfiltered
+    rewards: list = field(default_factory=list)  # rewards of the batch's responses on ALL ranks, in order
 
     @property
     def retained_fraction(self) -> float:
         return (self.groups_scored - self.groups_dropped) / max(1, self.groups_scored)
 
 
+def request_seed(run_seed: int, request_index: int) -> int:
+    """The sampling seed of global request `request_index`: a hash of (run seed, index), never
+    seed + i (which collides across requests) and never the rank, so the same request samples the
+    same tokens whichever rank serves it and whatever else is in its batch."""
+    digest = hashlib.blake2b(f"{run_seed}:{request_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # a non-negative 63-bit seed
+
+
 class RolloutCollector:
+    """Prompts -> engine -> scored groups for one rank (Dist) of a job.
+
+    Coupled mode (B_gen = B_train) has global semantics: every rank draws the same prompts (the
+    priority sampler sees every rank's rewards), global request i runs on rank i mod K with seed
+    request_seed(seed, i), and groups are retained in global request order, in waves of the
+    still-missing count, so K ranks reproduce one process exactly. Async mode (B_gen > B_train)
+    runs per rank, each consuming P / K groups per update: statistically, not exactly, equivalent.
+    """
+
     def __init__(self, llm: LLM, tokenizer: Tokenizer, task: Task, *, group_size: int, b_train: int, b_gen: int,
                  params: SamplingParams, sampler: PrioritySampler, dynamic_sampling: bool, max_lag: int,
-                 max_filter_factor: int = 8, max_reward_error_frac: float = 0.01):
+                 max_filter_factor: int = 8, max_reward_error_frac: float = 0.01, dist: Dist | None = None,
+                 seed: int = 0):
+        self.dist = dist or Dist()
+        self.seed = seed
+        self.next_request = 0                         # global request index of the next coupled submission
         self.llm, self.tok, self.task = llm, tokenizer, task
         self.G, self.b_train, self.b_gen = group_size, b_train, b_gen
         self.params = params
@@ -113,6 +138,7 @@ class RolloutCollector:
         self.max_reward_error_frac = max_reward_error_frac
         self.filtering = True
         self.in_flight: dict[str, int] = {}          # request id -> problem index
+        self.request_index: dict[str, int] = {}      # request id -> global request index (coupled mode)
         self.ready: list[RolloutGroup] = []           # retained groups not yet consumed
         self.checked_version = -1                     # weight version of the last stale scan
 
@@ -135,7 +161,9 @@ class RolloutCollector:
         Raises RewardError when more than max_reward_error_frac of the responses scored in this
         call had a failing reward.
         """
-        need = self.b_train // self.G
+        if not self.async_mode:
+            return self._collect_coupled(stats)
+        need = self.b_train // self.G // self.dist.world
         scored_at_start = stats.groups_scored
         scorer = RewardScorer(self.task.reward_fn, self.max_reward_error_frac)
         while True:
@@ -145,8 +173,8 @@ class RolloutCollector:
                 break
             if self.dynamic_sampling and stats.groups_scored - scored_at_start >= self.max_filter_factor * need:
                 self.filtering, stats.filter_fallback = False, True
-            # Coupled mode submits only what is still missing; async mode keeps B_gen in flight.
-            cap = self.b_gen // self.G if self.async_mode else need - len(self.ready)
+            # async mode keeps this rank's share of B_gen in flight
+            cap = self.b_gen // self.G // self.dist.world
             while len(self.in_flight) < cap:
                 self._submit()
             for out in self.llm.step():
@@ -154,7 +182,52 @@ class RolloutCollector:
         scorer.check(f"rollout batch at weight version {self.llm.weight_version}")
         batch, self.ready = self.ready[:need], self.ready[need:]
         self.filtering = True
+        stats.rewards = [r for g in batch for r in g.rewards]
         return batch
+
+    def _collect_coupled(self, stats: CollectStats) -> list[RolloutGroup]:
+        """Waves of the still-missing group count until P groups are retained over all ranks; returns
+        this rank's share of them (possibly none). Every rank makes the same decisions."""
+        need, d = self.b_train // self.G, self.dist
+        scored_at_start, retained, kept = stats.groups_scored, 0, []
+        scorer = RewardScorer(self.task.reward_fn, self.max_reward_error_frac)
+        while retained < need:
+            if self.dynamic_sampling and stats.groups_scored - scored_at_start >= self.max_filter_factor * need:
+                self.filtering, stats.filter_fallback = False, True
+            missing = need - retained
+            indices = [self.sampler.sample() for _ in range(missing)]
+            first, self.next_request = self.next_request, self.next_request + missing
+            for g, idx in enumerate(indices, start=first):
+                if g % d.world == d.rank:
+                    params = dataclasses.replace(self.params, seed=request_seed(self.seed, g))
+                    rid = self.llm.add_request(self.tok.encode(self.task.train[idx].prompt), params)
+                    self.in_flight[rid] = idx
+                    self.request_index[rid] = g
+            local: dict[int, RolloutGroup] = {}
+            while self.in_flight:
+                for out in self.llm.step():
+                    g = self.request_index.pop(out.request_id)
+                    local[g] = self._scored_group(out, scorer)
+            wave = [(g, grp.problem_index, grp.rewards, grp.reward_errors) for g, grp in local.items()]
+            for g, idx, rewards, errors in sorted(w for part in d.all_gather_objects(wave) for w in part):
+                stats.groups_scored += 1
+                stats.reward_errors += errors
+                self.sampler.update(idx, rewards)
+                if self.filtering and self.dynamic_sampling and self.G > 1 and len(set(rewards)) == 1:
+                    stats.groups_dropped += 1
+                    continue
+                retained += 1
+                stats.rewards.extend(rewards)
+                if g in local:
+                    kept.append(local[g])
+        self._check_rewards(scorer)
+        self.filtering = True
+        return kept
+
+    def _check_rewards(self, scorer: RewardScorer) -> None:
+        """The reward-error limit over this call's responses on all ranks; the first traceback wins."""
+        scorer.merge_ranks(self.dist)
+        scorer.check(f"rollout batch at weight version {self.llm.weight_version}")
 
     def abort_stale(self, stats: CollectStats) -> None:
         """Abort in-flight requests whose policy lag already exceeds max_lag (async mode only).
@@ -189,19 +262,24 @@ class RolloutCollector:
         stats.groups_stale += len(self.ready) - len(fresh)
         self.ready = fresh
 
-    def _score(self, out, scorer: RewardScorer, stats: CollectStats) -> None:
+    def _scored_group(self, out, scorer: RewardScorer) -> RolloutGroup:
+        """A finished request -> its RolloutGroup with rewards (failures score 0 and are counted)."""
         idx = self.in_flight.pop(out.request_id)
         problem: Problem = self.task.train[idx]
         errors_before = scorer.errors
         rewards = [scorer.score(self.tok.decode(c.token_ids), problem.answer) for c in out.outputs]
-        errors = scorer.errors - errors_before
+        return RolloutGroup(idx, out.prompt_token_ids, [c.token_ids for c in out.outputs],
+                            [c.logprobs for c in out.outputs], rewards, [c.policy_versions for c in out.outputs],
+                            [c.finish_reason for c in out.outputs],
+                            [c.routing_ids for c in out.outputs if c.routing_ids is not None],
+                            scorer.errors - errors_before)
+
+    def _score(self, out, scorer: RewardScorer, stats: CollectStats) -> None:
+        group = self._scored_group(out, scorer)
+        rewards = group.rewards
         stats.groups_scored += 1
-        stats.reward_errors += errors
-        self.sampler.update(idx, rewards)
-        group = RolloutGroup(idx, out.prompt_token_ids, [c.token_ids for c in out.outputs],
-                             [c.logprobs for c in out.outputs], rewards, [c.policy_versions for c in out.outputs],
-                             [c.finish_reason for c in out.outputs],
-                             [c.routing_ids for c in out.outputs if c.routing_ids is not None], errors)
+        stats.reward_errors += group.reward_errors
+        self.sampler.update(group.problem_index, rewards)
         if self.async_mode and group.lag(self.llm.weight_version) > self.max_lag:
             stats.groups_stale += 1
             return
@@ -215,3 +293,4 @@ class RolloutCollector:
         for rid in list(self.in_flight):
             self.llm.abort_request(rid)
         self.in_flight.clear()
+        self.request_index.clear()

@@ -28,8 +28,9 @@ from rlengine.rl.batching import grpo_batch, ppo_batch
 from rlengine.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.learner import Learner
+from rlengine.rl.distributed import Dist, init_from_env
 from rlengine.rl.rewards import score_outputs
-from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector
+from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector, request_seed
 from rlengine.rl.tasks import build_task
 from rlengine.rl.warmstart import format_warmstart
 from rlengine.telemetry.nvml import NvmlSampler
@@ -38,8 +39,10 @@ from rlengine.telemetry.timers import PhaseTimer
 
 
 
-def _build_model(cfg: TrainConfig) -> tuple[Qwen3ForCausalLM, Tokenizer]:
+def _build_model(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCausalLM, Tokenizer]:
     device = cfg.model.device if cfg.model.device != "auto" else str(default_device())
+    if device == "cuda" and dist.enabled:
+        device = f"cuda:{dist.local_rank}"  # one device per rank
     moe_impl = cfg.model.moe_impl if cfg.model.moe_impl != "auto" else ("triton" if device == "cuda" else "ref")
     model = build_model(cfg.model.name, dtype=cfg.model.dtype, device=device, moe_impl=moe_impl, seed=cfg.run.seed)
     tok = tokenizer_for(cfg.model.name)
@@ -50,16 +53,20 @@ def _build_model(cfg: TrainConfig) -> tuple[Qwen3ForCausalLM, Tokenizer]:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, resume_from: str | Path | None = None):
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, resume_from: str | Path | None = None,
+                 dist: Dist | None = None):
         """resume / resume_from: continue from the latest checkpoint of `resume_from` (default: run.out_dir);
-        metrics go to run.out_dir either way."""
+        metrics go to run.out_dir either way. dist: this rank (default: from torchrun's environment)."""
         self.cfg = cfg
+        self.dist = dist if dist is not None else init_from_env()
+        self.dist.check_same("config", cfg.to_dict())
         self.run_dir = Path(cfg.run.out_dir)
         self.resume_dir = Path(resume_from) if resume_from is not None else (self.run_dir if resume else None)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.run.seed)
         random.seed(cfg.run.seed)
-        self.model, self.tok = _build_model(cfg)
+        self.model, self.tok = _build_model(cfg, self.dist)
         self.task = build_task(cfg.task.name, path=cfg.task.path, eval_path=cfg.task.eval_path,
                                reward=cfg.task.reward, num_train=cfg.task.num_train, num_eval=cfg.task.num_eval,
                                seed=cfg.task.seed)
@@ -68,8 +75,9 @@ class Trainer:
         self.task.check_prompts(self.tok.encode, mpe - g.max_tokens,
                                 limit=f"max_position_embeddings {mpe} - gen.max_tokens {g.max_tokens}")
         max_len = max(len(self.tok.encode(p.prompt)) for p in self.task.train + self.task.eval) + g.max_tokens + 1
+        backend = "torch" if g.backend == "auto" and cfg.model.dtype == "float64" else g.backend  # fp64: the oracle
         common = dict(block_size=g.block_size, max_model_len=min(max_len, self.model.config.max_position_embeddings),
-                      attention_backend=g.backend, enforce_eager=g.enforce_eager)
+                      attention_backend=backend, enforce_eager=g.enforce_eager)
         self.llm = LLM(self.model, max_num_seqs=g.b_gen, num_kv_blocks=g.num_kv_blocks or None, seed=cfg.run.seed,
                        record_routing=g.record_routing, **common)
         self.eval_llm = LLM(self.model, max_num_seqs=min(256, cfg.task.num_eval * cfg.eval.k), seed=cfg.run.seed + 1,
@@ -86,7 +94,8 @@ class Trainer:
         self.collector = RolloutCollector(self.llm, self.tok, self.task, group_size=t.group_size, b_train=t.b_train,
                                           b_gen=g.b_gen, params=params, sampler=self.sampler,
                                           dynamic_sampling=t.dynamic_sampling and t.algo == "grpo",
-                                          max_lag=g.max_lag, max_reward_error_frac=cfg.task.max_reward_error_frac)
+                                          max_lag=g.max_lag, max_reward_error_frac=cfg.task.max_reward_error_frac,
+                                          dist=self.dist, seed=cfg.run.seed)
         self.update, self.N = 0, 0
         self.history: list[dict] = []
         self.telemetry = NvmlSampler()        # says plainly when GPU telemetry is unavailable
@@ -94,27 +103,31 @@ class Trainer:
         self.llm.phase_listener = self.telemetry
         self.warmstart_losses: list[float] = []
         if self.resume_dir is None:
-            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-            (self.run_dir / "metrics.jsonl").write_text("")
+            if self.dist.is_main:
+                (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+                (self.run_dir / "metrics.jsonl").write_text("")
             w = cfg.warmstart
             self.warmstart_losses = format_warmstart(self.model, self.tok, self.task, steps=w.steps, lr=w.lr,
                                                      batch=w.batch, seed=cfg.run.seed)
         # Built after the warm start: the KL reference and the PPO critic start from the policy at
         # update 0, not from the random initialisation (on resume, the checkpoint restores both).
         self.learner = Learner(self.model, t, temperature=g.temperature, replay_routing=g.record_routing,
-                               logprobs_mode=g.logprobs_mode, top_k=g.top_k, top_p=g.top_p)
+                               logprobs_mode=g.logprobs_mode, top_k=g.top_k, top_p=g.top_p, dist=self.dist)
         if self.resume_dir is not None:
             self._resume()
 
     # ---- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> float:
         """J: mean reward over the held-out split, k samples per prompt (mean@k)."""
-        e = self.cfg.eval
-        prompts = [self.tok.encode(p.prompt) for p in self.task.eval]
-        outs = self.eval_llm.generate(prompts, SamplingParams(n=e.k, temperature=e.temperature, seed=0,
-                                                              max_tokens=self.cfg.gen.max_tokens))
-        j, self.eval_reward_errors = score_outputs(self.task.reward_fn, self.tok, self.task.eval, outs,
-                                                   self.cfg.task.max_reward_error_frac)
+        """Eval prompt i runs on rank i mod K with seed request_seed(run seed + 1, i): J is global."""
+        e, d = self.cfg.eval, self.dist
+        mine = [(i, p) for i, p in enumerate(self.task.eval) if i % d.world == d.rank]
+        params = [SamplingParams(n=e.k, temperature=e.temperature, seed=request_seed(self.cfg.run.seed + 1, i),
+                                 max_tokens=self.cfg.gen.max_tokens) for i, _ in mine]
+        with d.unsharded(self.model):
+            outs = self.eval_llm.generate([self.tok.encode(p.prompt) for _, p in mine], params) if mine else []
+        j, self.eval_reward_errors = score_outputs(self.task.reward_fn, self.tok, [p for _, p in mine], outs,
+                                                   self.cfg.task.max_reward_error_frac, dist=d)
         return j
 
     # ---- one update --------------------------------------------------------------------------
@@ -124,7 +137,7 @@ class Trainer:
         trace_start = len(self.llm.trace)
         preempt0, recompute0 = self.llm.scheduler.num_preemptions, self.llm.scheduler.num_recomputed_tokens
         self.timer.reset()
-        with self.timer.phase("gen"):
+        with self.timer.phase("gen"), self.dist.unsharded(self.model):  # FSDP: decode from full weights
             groups = self.collector.collect(stats)
         if t.algo == "grpo":
             batch = grpo_batch(groups, normalize_std=t.normalize_std)
@@ -135,7 +148,8 @@ class Trainer:
         with self.timer.phase("train"):
             m = self.learner.step(batch, critic_only=critic_only, phases=self.telemetry)
         self.telemetry.set_phase("idle")
-        t_gen, t_train = self.timer.total("gen"), self.timer.total("train")
+        t_gen_rank, t_train_rank = self.timer.total("gen"), self.timer.total("train")
+        t_gen, t_train = self.dist.all_max([t_gen_rank, t_train_rank])  # the ranks' slowest gates the update
         if not m["skipped"] and not critic_only:
             self.llm.weight_version += 1
         if not critic_only:
@@ -145,8 +159,10 @@ class Trainer:
                                          t_train=t_train,
                                          preemptions=self.llm.scheduler.num_preemptions - preempt0,
                                          recomputed_tokens=self.llm.scheduler.num_recomputed_tokens - recompute0)
-        rewards = batch.rewards
-        lags = [g.lag(self.llm.weight_version - (0 if m["skipped"] or critic_only else 1)) for g in groups]
+        rewards = torch.tensor(stats.rewards, dtype=torch.float64)  # every rank's, in global order
+        consumed = self.llm.weight_version - (0 if m["skipped"] or critic_only else 1)
+        lags = [lag for part in self.dist.all_gather_objects([g.lag(consumed) for g in groups]) for lag in part]
+        tokens, seqs = self.dist.all_sum([float(batch.loss_mask.sum()), float(batch.num_seqs)])
         record = {
             "update": self.update, "N": self.N, "critic_only": critic_only, "skipped": m["skipped"],
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
@@ -160,12 +176,16 @@ class Trainer:
             "approx_kl": m["approx_kl"], "kl_ref": m["kl_ref"], "entropy": m["entropy"],
             "logprob_diff": m["logprob_diff"], "routing_disagreement": m["routing_disagreement"],
             "policy_lag_mean": sum(lags) / len(lags), "policy_lag_max": max(lags),
-            "response_len_mean": float(batch.loss_mask.sum()) / batch.num_seqs, "lr": self.learner.opt.param_groups[0]["lr"],
+            "response_len_mean": tokens / max(seqs, 1.0), "lr": self.learner.opt.param_groups[0]["lr"],
             "b_act_mean": boundary.b_act.mean, "b_act_p50": boundary.b_act.p50, "b_act_p90": boundary.b_act.p90,
             "b_act_frac_time_below": boundary.b_act.frac_time_below, "gen_tokens": boundary.generated_tokens,
             "preemptions": boundary.preemptions,
         }
-        if m["skipped"]:
+        if self.dist.enabled:  # per-rank views: wall-clock of each rank's phases and its decode batches
+            record.update(zip(("t_gen_ranks", "t_train_ranks", "b_act_mean_ranks"), zip(*self.dist.all_gather_objects(
+                (t_gen_rank, t_train_rank, boundary.b_act.mean)))))
+            record.update({k: list(v) for k, v in record.items() if k.endswith("_ranks")})
+        if m["skipped"] and self.dist.is_main:
             print(f"update {self.update}: non-finite loss or gradient, update skipped (weights unchanged)")
         return record
 
@@ -179,10 +199,11 @@ class Trainer:
         from rlengine.rl.progress import Progress
 
         self.telemetry.start()
-        with Progress(cfg.train.updates, start=self.update, enabled=cfg.run.progress) as bar:
+        with Progress(cfg.train.updates, start=self.update, enabled=cfg.run.progress and self.dist.is_main) as bar:
             while self.update < last:
+                n_before = self.N
                 record = self.train_step()
-                if self.update % cfg.eval.every == 0 or self.update == cfg.train.updates:
+                if self._eval_due(n_before):
                     record["J"] = self.evaluate()
                     record["eval_reward_errors"] = self.eval_reward_errors
                 self._log(record)
@@ -194,8 +215,20 @@ class Trainer:
         self.checkpoint()
         return self.history
 
+    def _eval_due(self, n_before: int) -> bool:
+        """After an update: every eval.every updates, or each time N crosses a multiple of
+        eval.every_responses (the same N grid for every B_train), and at the end."""
+        e = self.cfg.eval
+        if self.update == self.cfg.train.updates:
+            return True
+        if e.every_responses > 0:
+            return self.N // e.every_responses > n_before // e.every_responses
+        return self.update % e.every == 0
+
     def _write_telemetry(self) -> None:
-        """Per-phase GPU telemetry (or why there is none) to RUN_DIR/telemetry.json."""
+        """Per-phase GPU telemetry (or why there is none) to RUN_DIR/telemetry.json (rank 0)."""
+        if not self.dist.is_main:
+            return
         steps = [r for r in self.history if r["update"] > 0]
         summary = self.telemetry.summary(responses=sum(self.cfg.train.b_train for _ in steps),
                                          tokens=sum(r.get("gen_tokens", 0) for r in steps))
@@ -206,6 +239,8 @@ class Trainer:
 
     def _log(self, record: dict) -> None:
         self.history.append(record)
+        if not self.dist.is_main:
+            return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -216,14 +251,21 @@ class Trainer:
                  "sampler": self.sampler.state_dict(),
                  "torch_rng": torch.get_rng_state().tolist(),
                  "engine_rng": self.llm.runner.sampler.generator.get_state().tolist(),
-                 "ready": len(self.collector.ready)}
+                 "ready": len(self.collector.ready), "next_request": self.collector.next_request,
+                 "world_size": self.dist.world}
         self.collector.ready.clear()
-        return save_checkpoint(self.run_dir, self.update, model=self.model, learner=self.learner, state=state)
+        ln = self.learner
+        with self.dist.unsharded(*(m for m in (self.model, ln.ref, ln.critic) if m is not None)):
+            path = save_checkpoint(self.run_dir, self.update, model=self.model, learner=ln, state=state,
+                                   write=self.dist.is_main)
+        self.dist.barrier()  # no rank resumes or exits before the checkpoint is complete
+        return path
 
     def _resume(self) -> None:
         path = latest_checkpoint(self.resume_dir)
         state = load_checkpoint(path, model=self.model, learner=self.learner)
         self.update, self.N = state["update"], state["N"]
+        self.collector.next_request = state.get("next_request", 0)
         self.llm.weight_version = state["weight_version"]
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
@@ -231,6 +273,8 @@ class Trainer:
         metrics = self.resume_dir / "metrics.jsonl"
         lines = metrics.read_text().splitlines() if metrics.is_file() else []
         kept = [ln for ln in lines if ln and json.loads(ln)["update"] <= self.update]
-        (self.run_dir / "metrics.jsonl").write_text("".join(ln + "\n" for ln in kept))
-        (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+        self.dist.barrier()  # every rank has read the old metrics before rank 0 rewrites them
+        if self.dist.is_main:
+            (self.run_dir / "metrics.jsonl").write_text("".join(ln + "\n" for ln in kept))
+            (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
         self.history = [json.loads(ln) for ln in kept]
