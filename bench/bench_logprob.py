@@ -3,9 +3,13 @@
 Providers: "unfused" = h @ W^T in the input dtype, fp32 log_softmax over [T, V], gather (the
 baseline every RL framework starts from); "fused" = rlengine.kernels.fused_logprob. Reports
 median time, TFLOP/s counted as model FLOPs (2TVC forward, 6TVC forward+backward; the fused
-backward really does 8TVC because it recomputes the logits) and peak memory above the inputs.
-GPU default: T=8192, V=151936 (Qwen3 vocab), C=1024, bf16. On CPU only the unfused path runs,
-on a small case: the fused kernel needs a GPU (the Triton interpreter is a correctness tool).
+backward really does 8TVC because it recomputes the logits) and peak memory above the inputs
+during one call. mem_ratio is the unfused peak over the fused peak for the same mode (the goal
+for fwd+bwd is >= 8: the fused backward holds one d(logits) chunk, not [T, V] logits). GPU
+default: T=8192, V=151936 (Qwen3 vocab), C=1024, bf16. On CPU only the unfused path runs, on a
+small case: the fused kernel needs a GPU (the Triton interpreter is a correctness tool).
+
+    python bench/bench_logprob.py [--grid "T=8192 V=151936 C=1024"] [--dtype bf16] [--out DIR]
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from rlengine.kernels.fused_logprob import fused_logprob
+from rlengine.kernels.fused_logprob import default_config, fused_logprob
 
-from bench.harness import measure, peak_memory_mb, report
+from bench.harness import (add_sweep_args, load_ceilings, measure, one_launch, peak_memory_mb, rates, report,
+                           selected_providers, sweep_cases)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PROVIDERS = ["unfused", "fused"]  # unfused is the baseline
 
 
 def unfused_logprob(h_TC, w_VC, targets_T, *, temperature=1.0, return_entropy=False):
@@ -56,55 +62,79 @@ def _peak_extra_mb(run, device) -> float | None:
     return peak_memory_mb(device) - base
 
 
-def main(argv=None) -> None:
-    on_gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--T", type=int, default=8192 if on_gpu else 512)
-    p.add_argument("--V", type=int, default=151936 if on_gpu else 8192)
-    p.add_argument("--C", type=int, default=1024 if on_gpu else 256)
-    p.add_argument("--dtype", choices=DTYPES, default="bf16" if on_gpu else "fp32")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--out", default=None, help="output folder for the JSON (default bench/results)")
-    args = p.parse_args(argv)
-
-    device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = DTYPES[args.dtype]
-    T, V, C = args.T, args.V, args.C
+def _bench_shape(T, V, C, dtype, device, fns, iters, ceilings, ncu):
     g = torch.Generator(device=device).manual_seed(0)
     h = torch.randn(T, C, device=device, dtype=dtype, generator=g).requires_grad_()
     w = (torch.randn(V, C, device=device, dtype=dtype, generator=g) * C**-0.5).requires_grad_()
     targets = torch.randint(0, V, (T,), device=device, generator=g)
     g_logp, g_ent = torch.randn(T, device=device, generator=g), torch.randn(T, device=device, generator=g)
-
-    providers = {"unfused": unfused_logprob}
-    skipped = []
-    if on_gpu:
-        providers["fused"] = fused_logprob
-    else:
-        skipped.append("fused: no CUDA device (Triton interpreter timings are meaningless); unfused only")
-        print("SKIPPED " + skipped[-1])
-
     rows = []
-    for name, fn in providers.items():
+    for name, fn in fns.items():
         for entropy in (False, True):
             for backward in (False, True):
                 run = _step(fn, h, w, targets, g_logp, g_ent, entropy, backward)
-                timing = measure(run, iters=args.iters, device=device)
+                mode = "fwd+bwd" if backward else "fwd"
+                if ncu:
+                    print(one_launch(run, label=f"{name} {mode} entropy={entropy}", device=device))
+                    continue
+                timing = measure(run, iters=iters, device=device)
                 flops = (6 if backward else 2) * T * V * C
-                rows.append({"provider": name, "mode": "fwd+bwd" if backward else "fwd", "entropy": entropy,
+                rows.append({"provider": name, "mode": mode, "entropy": entropy, "T": T, "V": V, "C": C,
                              "ms": timing["ms"], "p10_ms": timing["p10_ms"], "p90_ms": timing["p90_ms"],
-                             "model_tflops": flops / (timing["ms"] * 1e-3) / 1e12,
+                             "model_tflops": rates(timing["ms"], flops=flops)["TFLOPs"],
+                             "flops_frac": rates(timing["ms"], flops=flops, ceilings=ceilings,
+                                                 dtype=str(dtype).replace("torch.", "")).get("flops_frac"),
                              "peak_extra_mb": _peak_extra_mb(run, device)})
-
-    extra = {"shape": {"T": T, "V": V, "C": C, "dtype": args.dtype}, "skipped": skipped}
-    if on_gpu:
+    for r in rows:
+        base = next((b for b in rows if b["provider"] == "unfused" and (b["mode"], b["entropy"], b["T"]) ==
+                     (r["mode"], r["entropy"], r["T"])), None)
+        if r["provider"] == "fused" and base and base["peak_extra_mb"] and r["peak_extra_mb"]:
+            r["mem_ratio"] = base["peak_extra_mb"] / r["peak_extra_mb"]
+            r["speedup"] = base["ms"] / r["ms"]
+    extra = {}
+    if "fused" in fns and "unfused" in fns and not ncu:
         with torch.no_grad():
             ref_lp, ref_ent = unfused_logprob(h, w, targets, return_entropy=True)
             lp, ent = fused_logprob(h, w, targets, return_entropy=True)
-        extra["max_abs_diff"] = {"logp": (lp - ref_lp).abs().max().item(), "entropy": (ent - ref_ent).abs().max().item()}
-        print(f"fused vs unfused max |diff|: {extra['max_abs_diff']}")
-    print(f"T={T} V={V} C={C} dtype={args.dtype} device={device}")
-    report("bench_logprob", rows, out=args.out, extra=extra, device=device)
+        extra = {"logp": (lp - ref_lp).abs().max().item(), "entropy": (ent - ref_ent).abs().max().item()}
+        print(f"T={T} V={V} C={C}: fused vs unfused max |diff| {extra}")
+    return rows, extra
+
+
+def main(argv=None) -> None:
+    on_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_sweep_args(p, "T=8192 V=151936 C=1024" if on_gpu else "T=512 V=8192 C=256", PROVIDERS)
+    p.add_argument("--dtype", choices=DTYPES, default="bf16" if on_gpu else "fp32")
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args(argv)
+
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = DTYPES[args.dtype]
+    wanted = selected_providers(args, PROVIDERS)
+    fns = {"unfused": unfused_logprob, "fused": fused_logprob}
+    skipped = []
+    if not on_gpu and "fused" in wanted:
+        wanted.remove("fused")
+        skipped.append("fused: no CUDA device (Triton interpreter timings are meaningless); unfused only")
+        print("SKIPPED " + skipped[-1])
+    ceilings = load_ceilings(args.ceilings)
+    rows, diffs = [], {}
+    for case in sweep_cases(args):
+        T, V, C = int(case["T"]), int(case["V"]), int(case["C"])
+        shape_rows, diff = _bench_shape(T, V, C, dtype, device, {k: fns[k] for k in wanted}, args.iters, ceilings,
+                                        args.ncu)
+        rows += shape_rows
+        if diff:
+            diffs[f"T={T},V={V},C={C}"] = diff
+    if args.ncu:
+        return
+    cfg = default_config(device, dtype)
+    extra = {"dtype": args.dtype, "grid": args.shape or args.grid, "skipped": skipped, "max_abs_diff": diffs,
+             "fused_config": {k: getattr(cfg, k) for k in cfg.__slots__}}
+    report("bench_logprob", rows, out=args.out, extra=extra, device=device,
+           columns=["provider", "mode", "entropy", "T", "V", "C", "ms", "p10_ms", "p90_ms", "model_tflops",
+                    "peak_extra_mb", "mem_ratio", "speedup"])
 
 
 if __name__ == "__main__":

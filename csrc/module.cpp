@@ -1,4 +1,4 @@
-// rlengine._C: the Python module that loads the CPU (and, on GPU builds, CUDA) ops.
+// rlengine._C: the Python module that loads the CPU ops (the CUDA kernels are rlengine._C_cuda).
 // Ops register themselves with TORCH_LIBRARY_FRAGMENT(rlengine, ...) in their own source
 // files and are called as torch.ops.rlengine.<name>; this file only owns the library.
 #include <torch/extension.h>

@@ -289,7 +289,7 @@ def _check_inputs(x_TC, w13_EFC, w2_ECF, topk_weights_TK, topk_ids_TK) -> None:
     K = topk_ids_TK.shape[1]
     if not 1 <= K <= E:
         raise ValueError(f"topk_ids_TK has K={K} experts per token, need 1 <= K <= E={E}")
-    if x_TC.device.type != "cuda" and not isinstance(_gate_up_kernel, triton.runtime.interpreter.InterpretedFunction):
+    if x_TC.device.type != "cuda" and isinstance(_gate_up_kernel, triton.runtime.JITFunction):  # not interpreted
         raise ValueError(f"x_TC is on {x_TC.device}: the Triton kernels need a CUDA device or TRITON_INTERPRET=1; "
                          "use fused_moe_ref on the CPU")
 

@@ -9,10 +9,18 @@ no-grad fast path (qwen3.py) runs one code path on both devices:
   silu_and_mul(x[..., 2F])                             -> silu(x[..., :F]) * x[..., F:]
   qk_norm_rope(qkv[T, (H+2Hkv)D], q_w, k_w, cos_sin[2, max_pos, D] fp32, positions[T], H, Hkv, eps)
                                                        -> q [T, H, D], k [T, Hkv, D]: per-head RMSNorm, then
-                                                          rotate-half RoPE (Hugging Face Qwen3's order)
+                                                          rotate-half RoPE (Hugging Face Qwen3's order);
+                                                          kv_cache=(k_cache, v_cache, slot_mapping) also
+                                                          stores k and v in the paged cache (the decode
+                                                          step's store_kvcache launch, folded in)
 Math in fp32, one rounding to the input dtype at the end (the C++ ops round where the torch
-expressions do; in fp32 the two agree to rounding). No host sync, so they can be captured in
-CUDA graphs. Under TRITON_INTERPRET=1 they run on the CPU for tests.
+expressions do; in fp32 the two agree to rounding). No host sync and no device assert, so they
+can be captured in CUDA graphs. Row and token offsets are int64 (a [T, C] activation or a qkv
+buffer may pass 2^31 elements). qk_norm_rope does not range-check positions (the C++ CPU op
+does): on the decode path that would be a device assert or a sync; the engine bounds every
+position by max_model_len <= max_position_embeddings on the host when it admits a request, and
+the learner builds positions from sequence lengths. Under TRITON_INTERPRET=1 they run on the CPU
+for tests.
 Dimension legend: R rows, C hidden, F FFN, T tokens, H / Hkv query / KV heads, D head dim.
 """
 
@@ -26,7 +34,7 @@ import triton.language as tl
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, C, stride_x, stride_r, stride_o, eps,
                      ADD_RESIDUAL: tl.constexpr, BLOCK_C: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     mask = offs < C
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -42,7 +50,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, C, stride_x, stride_r, stri
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, F, stride_x, stride_o, BLOCK_F: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = offs < F
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -51,9 +59,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, F, stride_x, stride_o, BLOCK_F: tl.cons
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, q_ptr, k_ptr, stride_t, max_pos, eps,
-                         H: tl.constexpr, D: tl.constexpr, HALF_BLOCK: tl.constexpr):
-    t = tl.program_id(0)
+def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, slot_ptr,
+                         stride_t, max_pos, eps,
+                         H: tl.constexpr, D: tl.constexpr, HALF_BLOCK: tl.constexpr, STORE_KV: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)          # 0..H-1: q heads, H..H+Hkv-1: k heads (adjacent in qkv)
     half = D // 2
     offs = tl.arange(0, HALF_BLOCK)
@@ -66,7 +75,7 @@ def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, q_ptr, k_ptr,
     w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
     n1 = x1 * inv * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     n2 = x2 * inv * tl.load(w_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
-    pos = tl.load(pos_ptr + t)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
     cos1 = tl.load(cs_ptr + pos * D + offs, mask=mask, other=0.0)
     cos2 = tl.load(cs_ptr + pos * D + half + offs, mask=mask, other=0.0)
     sin1 = tl.load(cs_ptr + max_pos * D + pos * D + offs, mask=mask, other=0.0)
@@ -78,6 +87,17 @@ def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, q_ptr, k_ptr,
     dst = tl.where(is_q, q_ptr + (t * H + h) * D, k_ptr + (t * Hkv + (h - H)) * D)
     tl.store(dst + offs, o1.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + half + offs, o2.to(q_ptr.dtype.element_ty), mask=mask)
+    if STORE_KV:  # k-head programs also write k and this head's v into the cache row of the token's slot
+        hk = h - H
+        slot = tl.load(slot_ptr + t)  # int64, -1 = padding token
+        lanes = tl.zeros([HALF_BLOCK], tl.int64)  # full-shape masks: the interpreter rejects scalar & vector
+        keep = mask & (lanes + slot >= 0) & (lanes + hk >= 0)
+        row = slot * (Hkv * D) + hk * D  # contiguous [num_blocks, P, Hkv, D]: slot-major rows
+        tl.store(kc_ptr + row + offs, o1.to(kc_ptr.dtype.element_ty), mask=keep)
+        tl.store(kc_ptr + row + half + offs, o2.to(kc_ptr.dtype.element_ty), mask=keep)
+        v_src = qkv_ptr + t * stride_t + (H + Hkv + hk) * D
+        tl.store(vc_ptr + row + offs, tl.load(v_src + offs, mask=keep), mask=keep)
+        tl.store(vc_ptr + row + half + offs, tl.load(v_src + half + offs, mask=keep), mask=keep)
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -126,8 +146,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def qk_norm_rope(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos_sin: torch.Tensor,
-                 positions: torch.Tensor, H: int, Hkv: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm (q_w / k_w) and rotate-half RoPE of the q and k parts of qkv -> (q [T,H,D], k [T,Hkv,D])."""
+                 positions: torch.Tensor, H: int, Hkv: int, eps: float, *,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (q_w / k_w) and rotate-half RoPE of the q and k parts of qkv -> (q [T,H,D], k [T,Hkv,D]).
+
+    positions [T] int32/int64 must lie in [0, max_pos): not checked here (see the module docstring).
+    kv_cache=(k_cache, v_cache, slot_mapping): contiguous [num_blocks, P, Hkv, D] caches in qkv's
+    dtype and int64 slots [T] (-1 skips a token); the rotated k and the v part of qkv are also
+    written in place to row slot of each cache, as store_kvcache would, in the same launch. Slots
+    are not range-checked (no device assert, no sync): the engine builds them from its block tables."""
     D = q_w.shape[0]
     T = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D or qkv.stride(1) != 1:
@@ -142,10 +170,28 @@ def qk_norm_rope(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos_si
                          f"{cos_sin.dtype} {tuple(cos_sin.shape)}")
     if positions.shape != (T,):
         raise ValueError(f"qk_norm_rope: positions must be [T={T}], got {tuple(positions.shape)}")
+    if kv_cache is not None:
+        _check_kv_cache(kv_cache, qkv, Hkv, D)
     q = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(T, Hkv, D, dtype=qkv.dtype, device=qkv.device)
+    k_cache, v_cache, slots = kv_cache if kv_cache is not None else (q, q, positions)  # placeholders: unused
     if T:
-        _qk_norm_rope_kernel[(T, H + Hkv)](qkv, q_w, k_w, cos_sin, positions, q, k, qkv.stride(0),
-                                           cos_sin.shape[1], eps, H=H, D=D,
-                                           HALF_BLOCK=triton.next_power_of_2(D // 2))
+        _qk_norm_rope_kernel[(T, H + Hkv)](qkv, q_w, k_w, cos_sin, positions, q, k, k_cache, v_cache, slots,
+                                           qkv.stride(0), cos_sin.shape[1], eps, H=H, D=D,
+                                           HALF_BLOCK=triton.next_power_of_2(D // 2), STORE_KV=kv_cache is not None)
     return q, k
+
+
+def _check_kv_cache(kv_cache, qkv: torch.Tensor, Hkv: int, D: int) -> None:
+    if len(kv_cache) != 3:
+        raise ValueError("qk_norm_rope: kv_cache must be (k_cache, v_cache, slot_mapping)")
+    k_cache, v_cache, slots = kv_cache
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or tuple(c.shape[2:]) != (Hkv, D) or not c.is_contiguous() or c.dtype != qkv.dtype \
+                or c.device != qkv.device:
+            raise ValueError(f"qk_norm_rope: {name} must be a contiguous {qkv.dtype} [num_blocks, P, {Hkv}, {D}] "
+                             f"on {qkv.device}, got {c.dtype} {tuple(c.shape)} on {c.device}")
+    if slots.shape != (qkv.shape[0],) or slots.dtype != torch.int64 or not slots.is_contiguous() \
+            or slots.device != qkv.device:
+        raise ValueError(f"qk_norm_rope: slot_mapping must be contiguous int64 [T={qkv.shape[0]}], got "
+                         f"{slots.dtype} {tuple(slots.shape)}")

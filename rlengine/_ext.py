@@ -1,28 +1,70 @@
-"""Loads the optional C++ extension (rlengine._C) and says once which ops fall back.
+"""Loads the optional C++ extensions and says once which ops fall back, and why.
 
-The extension registers CPU ops as torch.ops.rlengine.<name> (csrc/*.cpp) and, in a build
-against a CUDA torch, CUDA implementations of some of them (csrc/cuda/*.cu). When it is not
-built (a failed or skipped compile), every caller uses its plain-torch implementation instead;
-`has_op(name)` and `has_cuda_op(name)` are how callers choose.
+rlengine._C registers the CPU ops as torch.ops.rlengine.<name> (csrc/*.cpp); rlengine._C_cuda,
+built separately against a CUDA torch, adds CUDA kernels for some of them (csrc/cuda/). Either
+may be missing (a failed or skipped compile): callers then use their plain-torch versions;
+`has_op(name)` and `has_cuda_op(name)` are how they choose. setup.py records each build's outcome
+(with the compiler's output on failure) in rlengine/_build_status.json; `status_lines()` turns
+that and the import results into the lines `rlengine info` prints.
 """
 
+import importlib
+import json
 import sys
+from pathlib import Path
 
 import torch
 
 CPP_OPS = ("rms_norm", "store_kvcache", "paged_decode", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul",
            "skinny_linear")
+CUDA_OPS = ("store_kvcache",)
+
+
+def _read_build_status() -> dict:
+    path = Path(__file__).with_name("_build_status.json")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # no build attempted here (or an install that did not ship the file)
+
+
+BUILD_STATUS = _read_build_status()
+"""{"rlengine._C" | "rlengine._C_cuda": {"ok": bool, "error"?: compiler output tail, "skipped"?: reason}}."""
+
+
+def build_error(name: str) -> str | None:
+    """The recorded compiler output of a failed build of extension `name`, else None."""
+    return BUILD_STATUS.get(name, {}).get("error")
+
+
+def _first_error_line(name: str) -> str:
+    text = build_error(name)
+    if not text:
+        return ""
+    lines = [ln for ln in text.splitlines() if "error" in ln.lower()] or text.splitlines()
+    return f"; build failed: {lines[0].strip()[:200]}"
+
 
 try:
-    from rlengine import _C  # noqa: F401  (import registers torch.ops.rlengine.*)
+    importlib.import_module("rlengine._C")  # registers torch.ops.rlengine.*
 
-    AVAILABLE = True
-    LOAD_ERROR = None
+    AVAILABLE, LOAD_ERROR = True, None
 except ImportError as exc:  # pragma: no cover - depends on the build
-    AVAILABLE = False
-    LOAD_ERROR = str(exc)
-    print(f"rlengine: C++ extension not built ({exc}); ops {', '.join(CPP_OPS)} use torch fallbacks",
-          file=sys.stderr)
+    AVAILABLE, LOAD_ERROR = False, str(exc)
+    print(f"rlengine: C++ extension not built ({exc}{_first_error_line('rlengine._C')}); ops "
+          f"{', '.join(CPP_OPS)} use torch fallbacks (`rlengine info` shows the build log)", file=sys.stderr)
+
+CUDA_AVAILABLE, CUDA_LOAD_ERROR = False, "needs the CPU extension" if not AVAILABLE else None
+if AVAILABLE:
+    try:
+        importlib.import_module("rlengine._C_cuda")  # registers the CUDA kernels
+
+        CUDA_AVAILABLE = True
+    except ImportError as exc:  # pragma: no cover - depends on the build
+        CUDA_LOAD_ERROR = str(exc)
+        if torch.version.cuda is not None:  # a CPU torch has no CUDA extension to miss
+            print(f"rlengine: CUDA extension not built ({exc}{_first_error_line('rlengine._C_cuda')}); CUDA ops "
+                  f"{', '.join(CUDA_OPS)} use torch fallbacks", file=sys.stderr)
 
 
 def has_op(name: str) -> bool:
@@ -33,5 +75,24 @@ def has_op(name: str) -> bool:
 
 
 def has_cuda_op(name: str) -> bool:
-    """True when torch.ops.rlengine.<name> also has a CUDA kernel (a GPU build of csrc/cuda/)."""
+    """True when torch.ops.rlengine.<name> also has a CUDA kernel (rlengine._C_cuda loaded)."""
     return has_op(name) and torch._C._dispatch_has_kernel_for_dispatch_key(f"rlengine::{name}", "CUDA")
+
+
+def status_lines() -> list[str]:
+    """Human-readable state of both extensions, the recorded build errors included."""
+    lines = []
+    for name, loaded, err in (("rlengine._C (CPU ops)", AVAILABLE, LOAD_ERROR),
+                              ("rlengine._C_cuda (CUDA kernels)", CUDA_AVAILABLE, CUDA_LOAD_ERROR)):
+        key = name.split()[0]
+        status = BUILD_STATUS.get(key, {})
+        if loaded:
+            lines.append(f"{name}: loaded")
+        elif "skipped" in status:
+            lines.append(f"{name}: not built ({status['skipped']})")
+        else:
+            lines.append(f"{name}: not loaded ({err})")
+        if status.get("error"):
+            lines.append("  last build failed; compiler output (tail):\n    "
+                         + "\n    ".join(status["error"].splitlines()[-20:]))
+    return lines

@@ -139,3 +139,42 @@ def test_skinny_linear_strided_input_and_autograd_fallback():
     y = torch.ops.rlengine.skinny_linear(x, wg)  # grad mode: at::linear, recorded by autograd as usual
     y.sum().backward()
     torch.testing.assert_close(wg.grad, x.sum(0).expand(9, 40), atol=1e-5, rtol=1e-5)
+
+
+def test_status_lines_show_a_recorded_build_error(monkeypatch):
+    """`rlengine info` material: a failed CUDA build's compiler output is shown, not just 'missing'."""
+    monkeypatch.setattr(_ext, "BUILD_STATUS", {"rlengine._C": {"ok": True},
+                                               "rlengine._C_cuda": {"ok": False, "error": "kv_cache.cu(7): error: boom"}})
+    monkeypatch.setattr(_ext, "CUDA_AVAILABLE", False)
+    lines = "\n".join(_ext.status_lines())
+    assert "rlengine._C (CPU ops): loaded" in lines and "error: boom" in lines
+
+
+@pytest.mark.parametrize("require", [False, True], ids=["optional", "RLENGINE_REQUIRE_EXT=1"])
+def test_setup_records_compiler_error_and_require_makes_it_fatal(tmp_path, require):
+    """setup.py on a tree whose only C++ source does not compile: the install goes on (or stops with
+    RLENGINE_REQUIRE_EXT=1), the compiler's message is printed and lands in _build_status.json."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for sub in ("csrc", "rlengine/configs", "kernels"):
+        (tmp_path / sub).mkdir(parents=True)
+    shutil.copy(root / "setup.py", tmp_path)
+    (tmp_path / "rlengine" / "__init__.py").write_text("")
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    (tmp_path / "csrc" / "broken.cpp").write_text("int broken( {\n")
+    env = {**os.environ, "RLENGINE_PORTABLE": "1", "RLENGINE_REQUIRE_EXT": "1" if require else "0"}
+    res = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)
+    assert "broken.cpp:1" in res.stderr and "error" in res.stderr
+    if require:
+        assert res.returncode != 0 and "RLENGINE_REQUIRE_EXT=1" in res.stderr
+    else:
+        assert res.returncode == 0, res.stderr[-2000:]
+        status = json.loads((tmp_path / "rlengine" / "_build_status.json").read_text())
+        assert status["rlengine._C"]["ok"] is False and "broken.cpp:1" in status["rlengine._C"]["error"]

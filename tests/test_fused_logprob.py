@@ -2,7 +2,9 @@
 
 Values, entropy and the gradients w.r.t. h and W with one shared random upstream gradient on
 both outputs. Tiles are pinned small (BLOCK_M=16, BLOCK_N=32, BLOCK_K=16) so the odd sizes
-below cross block edges; bf16 is left to the GPU tier (the interpreter gets it wrong).
+below cross block edges, and the backward's d(logits) chunks are small enough that its vocab
+and token chunk loops run several times; bf16 is left to the GPU tier (the interpreter gets it
+wrong).
 """
 
 import math
@@ -10,12 +12,15 @@ import math
 import pytest
 import torch
 from conftest import tol
+from rlengine.kernels import fused_logprob as flp
 from rlengine.kernels.fused_logprob import LogProbConfig, fused_logprob, fused_logprob_ref
 
 
-def _cfg(num_splits: int) -> LogProbConfig:
+def _cfg(num_splits: int, chunk_elems: int = 2**26, max_chunk_tokens: int = 16384,
+         skip_zero_rows: bool = True) -> LogProbConfig:
     return LogProbConfig(block_m=16, block_n=32, block_k=16, num_splits=num_splits, group_m=2,
-                         num_warps=4, num_stages=1)
+                         num_warps=4, num_stages=1, chunk_elems=chunk_elems, max_chunk_tokens=max_chunk_tokens,
+                         skip_zero_rows=skip_zero_rows)
 
 
 def _inputs(T, C, V, dtype, seed):
@@ -27,9 +32,10 @@ def _inputs(T, C, V, dtype, seed):
     return h, w, targets, g
 
 
-def _compare(h, w, targets, g, temperature, config, dtype):
+def _compare(h, w, targets, g, temperature, config, dtype, g_logp=None, g_ent=None):
     T = h.shape[0]
-    g_logp, g_ent = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    g_logp = torch.randn(T, generator=g) if g_logp is None else g_logp
+    g_ent = torch.randn(T, generator=g) if g_ent is None else g_ent
     logp, ent = fused_logprob(h, w, targets, temperature=temperature, return_entropy=True, config=config)
     assert logp.dtype == ent.dtype == torch.float32 and logp.shape == ent.shape == (T,)
     dh, dw = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (h, w))
@@ -42,20 +48,71 @@ def _compare(h, w, targets, g, temperature, config, dtype):
 
 
 CASES = [
-    # (T, C, V, temperature, num_splits): the code path each one covers
-    pytest.param(1, 16, 97, 1.0, 1, id="T=1,V=97-odd-vocab-tail"),
-    pytest.param(13, 32, 97, 0.7, 1, id="T<BLOCK_M,temp0.7"),
-    pytest.param(24, 32, 257, 1.3, 3, id="T-not-multiple-of-BLOCK_M,V=257,3-vocab-splits"),
-    pytest.param(20, 24, 300, 1.0, 2, id="C-not-multiple-of-BLOCK_K,2-splits"),
-    pytest.param(17, 32, 64, 1.0, 0, id="V-multiple-of-BLOCK_N,auto-splits"),
+    # (T, C, V, temperature, num_splits, backward chunk (elems, max tokens)): the path each covers
+    pytest.param(1, 16, 97, 1.0, 1, (2**26, 16384), id="T=1,V=97-odd-vocab-tail,one-chunk"),
+    pytest.param(13, 32, 97, 0.7, 1, (13 * 32, 16384), id="T<BLOCK_M,temp0.7,vocab-chunks-of-one-tile"),
+    pytest.param(24, 32, 257, 1.3, 3, (16 * 64, 16), id="V=257,3-vocab-splits,2-token-chunks,5-vocab-chunks"),
+    pytest.param(20, 24, 300, 1.0, 2, (2**26, 7), id="C-not-multiple-of-BLOCK_K,token-chunks-of-7"),
+    pytest.param(17, 32, 64, 1.0, 0, (17 * 64, 16384), id="V-multiple-of-BLOCK_N,auto-splits,V_c=V"),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("T,C,V,temperature,num_splits", CASES)
-def test_matches_reference(T, C, V, temperature, num_splits, dtype):
+@pytest.mark.parametrize("T,C,V,temperature,num_splits,chunk", CASES)
+def test_matches_reference(T, C, V, temperature, num_splits, chunk, dtype):
     h, w, targets, g = _inputs(T, C, V, dtype, seed=T * 1000 + V)
-    _compare(h, w, targets, g, temperature, _cfg(num_splits), dtype)
+    _compare(h, w, targets, g, temperature, _cfg(num_splits, *chunk), dtype)
+
+
+def test_chunk_shape():
+    cfg = _cfg(1, chunk_elems=16 * 64, max_chunk_tokens=16)
+    assert flp.chunk_shape(24, 257, cfg) == (16, 64)     # T capped, V_c = 1024 // 16 rounded to BLOCK_N
+    assert flp.chunk_shape(5, 40, cfg) == (5, 64)        # V_c never exceeds V rounded up to BLOCK_N
+    assert flp.chunk_shape(16, 257, _cfg(1, chunk_elems=40)) == (16, 32)  # at least one tile
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-zero-rows", "keep-zero-rows"])
+def test_masked_tokens_are_skipped_exactly(skip):
+    """Prompt/padding tokens (both upstream gradients 0) get zero grad_h and add nothing to grad_W,
+    whether they are dropped before the matmuls (one host sync) or multiplied through."""
+    T, C, V = 30, 16, 130
+    h, w, targets, g = _inputs(T, C, V, torch.float32, seed=21)
+    mask = torch.rand(T, generator=g) < 0.5
+    mask[0], mask[-1] = False, True
+    g_logp, g_ent = torch.randn(T, generator=g) * mask, torch.randn(T, generator=g) * mask
+    g_ent[3] = 1.0 if not mask[3] else g_ent[3]  # a row with an entropy gradient only stays live
+    _compare(h, w, targets, g, 1.0, _cfg(1, 16 * 64, 16, skip_zero_rows=skip), torch.float32, g_logp, g_ent)
+
+
+def test_all_rows_masked():
+    T, C, V = 9, 16, 40
+    h, w, targets, _ = _inputs(T, C, V, torch.float32, seed=4)
+    logp, ent = fused_logprob(h, w, targets, return_entropy=True, config=_cfg(1))
+    dh, dw = torch.autograd.grad((logp * 0).sum() + (ent * 0).sum(), (h, w))
+    assert torch.equal(dh, torch.zeros_like(dh)) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_backward_is_bitwise_reproducible():
+    """No atomics: two backward passes give identical bits (the old atomic_add kernel did not on GPU)."""
+    T, C, V = 40, 32, 200
+    h, w, targets, g = _inputs(T, C, V, torch.float32, seed=5)
+    g_logp, g_ent = torch.randn(T, generator=g), torch.randn(T, generator=g)
+    runs = []
+    for _ in range(2):
+        logp, ent = fused_logprob(h, w, targets, return_entropy=True, config=_cfg(2, 16 * 64, 16))
+        runs.append(torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (h, w)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_default_configs_per_device_and_dtype():
+    """fp32 on CUDA gets its own smaller tiles (FMA dots, 2 stages): the 16-bit config would need
+    (128*64 + 64*128) * 4 B * 3 stages = 192 KiB of shared memory."""
+    cuda = torch.device("cuda")
+    fp32, bf16 = flp.default_config(cuda, torch.float32), flp.default_config(cuda, torch.bfloat16)
+    assert bf16 == flp.default_config(cuda, torch.float16) and (bf16.block_m, bf16.block_n) == (128, 128)
+    smem = lambda c: (c.block_m + c.block_n) * c.block_k * 4 * c.num_stages  # noqa: E731
+    assert smem(fp32) <= 64 * 1024 and fp32.num_warps * 32 * 64 >= fp32.block_m * fp32.block_n
+    assert flp.default_config(torch.device("cpu"), torch.float32).block_m == 16
 
 
 def test_default_config_and_strided_inputs():

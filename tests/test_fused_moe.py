@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import tol
 from rlengine.kernels import fused_moe as fm
-from rlengine.kernels.moe_align import max_padded_rows, moe_align, moe_align_block_size
+from rlengine.kernels import moe_align as ma
+from rlengine.kernels.moe_align import max_padded_rows, moe_align, moe_align_block_size, moe_align_ref
 
 SMALL = fm.MoEConfig(block_m=16, block_n=16, block_k=16, num_warps=4, wgrad_block=16, wgrad_block_r=16)
 DTYPES = [torch.float32, torch.float16]
@@ -114,9 +115,10 @@ def test_poisoned_buffers_and_neighbours(monkeypatch):
         check_against_ref(leaves, ids, padded(dy, 0).detach())
 
 
+@pytest.mark.parametrize("align", [moe_align, moe_align_ref], ids=["kernel", "torch"])
 @pytest.mark.parametrize("block_m", [4, 16])
 @pytest.mark.parametrize("route", ["random", "empty_experts", "one_expert"])
-def test_align_invariants(block_m, route):
+def test_align_invariants(block_m, route, align):
     T, E, K = 23, 7, 2
     gen = torch.Generator().manual_seed(5)
     if route == "one_expert":
@@ -124,7 +126,7 @@ def test_align_invariants(block_m, route):
     else:
         _, ids = make_routing(T, E, K, gen, [0, 3, 6] if route == "empty_experts" else None)
     N = T * K
-    a = moe_align(ids, E, block_m)
+    a = align(ids, E, block_m)
     sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, E, block_m)
     assert torch.equal(sorted_ids, a.sorted_token_ids) and torch.equal(expert_ids, a.expert_ids)
     assert sorted_ids.numel() == max_padded_rows(N, E, block_m) and sorted_ids.numel() % block_m == 0
@@ -146,6 +148,68 @@ def test_align_invariants(block_m, route):
         assert bool((seg[c:] == N).all())
         assert bool((expert_ids[start // block_m:end // block_m] == e).all())
     assert bool((expert_ids[int(ntpp) // block_m:] == -1).all())
+
+
+ALIGN_CASES = [
+    # (id, T, E, K, block_m, experts routed to or None): the path each one covers
+    ("decode_T1_E128_K8", 1, 128, 8, 16, None),
+    ("decode_T64_E128_K8_bm16", 64, 128, 8, 16, None),
+    ("train_T2048_E128_K8_bm64_N16384_torch_path", 2048, 128, 8, 64, None),
+    ("N_exactly_pow2_tile_full", 32, 8, 2, 16, None),
+    ("single_pair", 1, 1, 1, 16, None),
+    ("prime_E_K_eq_E", 9, 7, 7, 4, None),
+    ("empty_experts_bm32", 50, 11, 2, 32, [2, 3, 10]),
+    ("tile_N1024_bm64", 128, 64, 8, 64, None),  # N_BLOCK 8192 runs on the GPU tier (slow to interpret)
+]
+
+
+@pytest.mark.parametrize("case", ALIGN_CASES, ids=[c[0] for c in ALIGN_CASES])
+def test_align_kernel_equals_torch_version(case):
+    """The one-program kernel against the torch version, element for element (padding, unused
+    blocks and offsets included); the buffers come from torch.empty, so an unwritten element shows.
+    Every other case passes int32 ids (the kernel loads either width)."""
+    _, T, E, K, block_m, experts = case
+    ids_dtype = torch.int32 if ALIGN_CASES.index(case) % 2 else torch.int64
+    _, ids = make_routing(T, E, K, torch.Generator().manual_seed(T + E), experts)
+    got, want = moe_align(ids.to(ids_dtype), E, block_m), moe_align_ref(ids, E, block_m)
+    for field in ("sorted_token_ids", "expert_ids", "num_tokens_post_padded", "expert_offsets"):
+        a, b = getattr(got, field), getattr(want, field)
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), field
+    assert (got.block_m, got.num_pairs) == (want.block_m, want.num_pairs)
+
+
+def test_align_dispatch(monkeypatch):
+    """One kernel launch up to MAX_KERNEL_PAIRS pairs, the torch version above."""
+    launches = []
+    kernel = ma._moe_align_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(ma, "_moe_align_kernel", Counting())
+    monkeypatch.setattr(ma, "MAX_KERNEL_PAIRS", 32)
+    _, ids = make_routing(16, 8, 2, torch.Generator().manual_seed(0))
+    moe_align(ids, 8, 16)
+    assert launches == [(1,)]
+    _, ids = make_routing(17, 8, 2, torch.Generator().manual_seed(0))
+    a = moe_align(ids, 8, 16)
+    assert launches == [(1,)] and torch.equal(a.sorted_token_ids, moe_align_ref(ids, 8, 16).sorted_token_ids)
+
+
+def test_align_kernel_failure_falls_back_once_and_says_why(monkeypatch, capsys):
+    class Broken:
+        def __getitem__(self, grid):
+            raise RuntimeError("compiler said no")
+
+    monkeypatch.setattr(ma, "_moe_align_kernel", Broken())
+    monkeypatch.setattr(ma, "KERNEL_STATE", ma._KernelState())
+    _, ids = make_routing(16, 8, 2, torch.Generator().manual_seed(0))
+    for _ in range(2):
+        assert torch.equal(moe_align(ids, 8, 16).sorted_token_ids, moe_align_ref(ids, 8, 16).sorted_token_ids)
+    assert "compiler said no" in ma.KERNEL_STATE.error
+    assert capsys.readouterr().err.count("moe_align kernel failed") == 1
 
 
 def test_align_no_pairs_for_zero_tokens():

@@ -70,6 +70,29 @@ def test_qk_norm_rope(dtype, H, Hkv, D):
     torch.testing.assert_close(k, k_ref, **tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_stores_kv_cache_in_the_same_launch(dtype):
+    """kv_cache=: q and k as without it, and the caches as store_kvcache would leave them (slot -1 skipped)."""
+    from conftest import store_kvcache_ref
+
+    g = torch.Generator().manual_seed(2)
+    T, H, Hkv, D, num_blocks, P = 6, 4, 2, 16, 5, 4
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    q_w, k_w = torch.randn(D, generator=g).to(dtype), torch.randn(D, generator=g).to(dtype)
+    cs, pos = _rope_table(32, D), torch.tensor([0, 5, 31, 7, 7, 2])
+    k_cache = torch.randn(num_blocks, P, Hkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, P, Hkv, D, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * P, generator=g)[:T]
+    slots[2] = -1
+    want_q, want_k = fn.qk_norm_rope(qkv, q_w, k_w, cs, pos, H, Hkv, 1e-6)
+    ref_k, ref_v = store_kvcache_ref(want_k, qkv[:, (H + Hkv) * D:].view(T, Hkv, D), k_cache, v_cache, slots)
+    q, k = fn.qk_norm_rope(qkv, q_w, k_w, cs, pos, H, Hkv, 1e-6, kv_cache=(k_cache, v_cache, slots))
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        fn.qk_norm_rope(qkv, q_w, k_w, cs, pos, H, Hkv, 1e-6, kv_cache=(k_cache, v_cache, slots.int()))
+
+
 def test_bad_shapes_are_clear_errors():
     with pytest.raises(ValueError, match="w must be"):
         fn.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)

@@ -5,7 +5,11 @@ cache through a shuffled (fragmented) block table, and compares each kernel with
 paged_decode_ref (gather + SDPA) and with plain SDPA in fp64 on the contiguous sequences, so
 the paged reference is itself checked. Cache slots outside every context hold NaN, and outputs
 and split buffers are NaN-poisoned before a kernel runs, so stray reads and unwritten elements
-both show. Triton runs under TRITON_INTERPRET=1 here: tiny shapes, fp32/fp16 only.
+both show. Triton runs under TRITON_INTERPRET=1 here: tiny shapes, fp32/fp16 only; its output
+must also meet the GPU tier's bound (tests/kernel_checks.py: 2^-8 |ref| + 1e-5 for 16-bit, fp64
+reference). needle_case() puts almost all attention mass on one token (the last one, or one at a
+split boundary), so a kernel that drops that token fails by a wide margin; it runs here through
+tests/test_k13_injected_bugs.py (unchanged kernel passes, planted bugs fail) and on the GPU tier.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tol
+from kernel_checks import assert_decode_close, plant_needle
 
 from rlengine import _ext
+from rlengine.kernels import paged_decode as pd
 from rlengine.engine.cpp_ops import paged_decode_cpp
 from rlengine.kernels.paged_decode import alloc_workspace, paged_decode, paged_decode_ref
 
@@ -41,13 +47,24 @@ class PagedBatch:
     def tables(self):
         return self.kv_indptr, self.kv_indices, self.kv_last_page_len
 
+    def to(self, device) -> "PagedBatch":
+        move = lambda t: t.to(device)  # noqa: E731
+        return PagedBatch(q=move(self.q), k_seqs=[move(k) for k in self.k_seqs],
+                          v_seqs=[move(v) for v in self.v_seqs], k_cache=move(self.k_cache),
+                          v_cache=move(self.v_cache), kv_indptr=move(self.kv_indptr),
+                          kv_indices=move(self.kv_indices), kv_last_page_len=move(self.kv_last_page_len),
+                          max_num_pages=self.max_num_pages)
 
-def make_batch(ctx_lens, H, Hkv, D, P, dtype, seed=0, spare_blocks=3) -> PagedBatch:
+
+def make_batch(ctx_lens, H, Hkv, D, P, dtype, seed=0, spare_blocks=3, needles=()) -> PagedBatch:
+    """needles: (sequence, position) pairs whose token gets ~all the attention mass (plant_needle)."""
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)
     q = rand(len(ctx_lens), H, D)
     k_seqs = [rand(n, Hkv, D) for n in ctx_lens]
     v_seqs = [rand(n, Hkv, D) for n in ctx_lens]
+    for b, pos in needles:
+        plant_needle(q, k_seqs[b], v_seqs[b], b, pos)
     num_pages = [-(-n // P) for n in ctx_lens]
     num_blocks = sum(num_pages) + spare_blocks
     k_cache = torch.full((num_blocks, P, Hkv, D), float("nan"), dtype=dtype)
@@ -97,8 +114,11 @@ def check_against_references(out: torch.Tensor, batch: PagedBatch, sm_scale: flo
 
 
 # (id naming the path, ctx_lens, H, Hkv, D, P, num_splits); tiny for the Triton interpreter.
+# num_splits=1 is the one-launch path (no merge kernel).
 TRITON_CASES = [
     ("ctx1-single-token-gqa1", [1], 2, 2, 64, 8, 1),
+    ("ragged-one-split-direct-gqa4", [3, 40, 17], 8, 2, 64, 16, 1),
+    ("head-dim-8-padded-to-block-d-16", [19, 40], 4, 2, 8, 8, 2),
     ("ctx-exactly-one-block-gqa2", [16, 16], 4, 2, 64, 16, 1),
     ("crossing-block-boundaries-gqa4-d128", [17, 33, 5], 4, 1, 128, 16, 2),
     ("odd-lengths-gqa8-p8-3splits", [47, 9, 1, 23], 8, 1, 64, 8, 3),
@@ -118,6 +138,46 @@ def test_triton_matches_references(case, dtype):
     paged_decode(batch.q, batch.k_cache, batch.v_cache, *batch.tables(), sm_scale=sm_scale,
                  max_num_pages=batch.max_num_pages, out=out, num_splits=num_splits)
     check_against_references(out, batch, sm_scale)
+    assert_decode_close(out, contiguous_sdpa(batch, sm_scale), dtype)
+
+
+def needle_case(where: str, dtype, device="cpu", D=64, P=16, ctx=2049, decode=paged_decode):
+    """(batch, out) with the needle of sequence 0 (ctx tokens, 4 splits) at its last token or at the
+    first token of split 1, and a second, short sequence with its needle last. `decode` is
+    paged_decode or a planted-bug copy of it (tests/test_k13_injected_bugs.py)."""
+    num_splits = 4
+    pages = -(-ctx // P)
+    pos = ctx - 1 if where == "last" else -(-pages // num_splits) * P
+    batch = make_batch([ctx, 37], 4, 2, D, P, dtype, seed=9, needles=[(0, pos), (1, 36)]).to(device)
+    out = torch.full_like(batch.q, float("nan"))
+    decode(batch.q, batch.k_cache, batch.v_cache, *batch.tables(), sm_scale=D**-0.5,
+           max_num_pages=batch.max_num_pages, out=out, num_splits=num_splits)
+    return batch, out
+
+
+def test_one_split_skips_the_merge_launch(monkeypatch):
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the merge kernel must not launch with one split")
+
+    monkeypatch.setattr(pd, "_merge_kernel", NoLaunch())
+    batch = make_batch([33, 5], 4, 2, 64, 8, torch.float32, seed=8)
+    out = paged_decode(batch.q, batch.k_cache, batch.v_cache, *batch.tables(), sm_scale=0.125,
+                       max_num_pages=batch.max_num_pages, num_splits=1)
+    check_against_references(out, batch, 0.125)
+
+
+def test_workspace_sized_by_what_the_heuristic_can_pick(monkeypatch):
+    """num_kv_heads= sizes the flat workspace for max over B of B * S(B) on 132 SMs, not max_batch * MAX_SPLITS."""
+    monkeypatch.setattr(pd, "_num_sms", lambda device: 132)
+    assert pd.choose_num_splits(1, 4, 4096, 16, "cpu") == pd.MAX_SPLITS == 64   # 2 * 132 / 4 = 66 -> capped
+    assert pd.choose_num_splits(1, 8, 4096, 16, "cpu") == 33
+    assert pd.choose_num_splits(1, 8, 16, 16, "cpu") == 1                        # 256 tokens: one split
+    ws = alloc_workspace(256, 16, 128, pd.MAX_SPLITS, "cpu", num_kv_heads=8)
+    assert ws.max_rows == 256 and ws.partial_out.numel() == 256 * 16 * 128
+    assert ws.max_splits(1) == pd.MAX_SPLITS and ws.max_splits(8) == 32 and ws.max_splits(256) == 1
+    assert alloc_workspace(1, 16, 128, pd.MAX_SPLITS, "cpu", num_kv_heads=8).max_rows == 33
+    assert alloc_workspace(4, 16, 128, 8, "cpu").max_rows == 32                 # pinned-S sizing
 
 
 def test_triton_preallocated_workspace_and_strided_q():
@@ -223,8 +283,17 @@ def test_cpp_wrapper_says_how_to_build_when_op_missing(monkeypatch):
 
 
 def test_triton_rejects_small_workspace():
+    """A pinned S the workspace cannot hold is an error; the heuristic S shrinks to fit (down to one
+    split, which needs no workspace)."""
     batch = make_batch([5, 9], 4, 2, 64, 8, torch.float32, seed=6)
     ws = alloc_workspace(max_batch=1, num_heads=4, head_dim=64, num_splits=2, device="cpu")
     with pytest.raises(ValueError, match="workspace"):
         paged_decode(batch.q, batch.k_cache, batch.v_cache, *batch.tables(), sm_scale=0.1, max_num_pages=2,
-                     workspace=ws)
+                     workspace=ws, num_splits=2)
+    out = paged_decode(batch.q, batch.k_cache, batch.v_cache, *batch.tables(), sm_scale=0.1, max_num_pages=2,
+                       workspace=ws)
+    check_against_references(out, batch, 0.1)
+    wrong_heads = alloc_workspace(max_batch=4, num_heads=8, head_dim=64, num_splits=2, device="cpu")
+    with pytest.raises(ValueError, match="workspace"):
+        paged_decode(batch.q, batch.k_cache, batch.v_cache, *batch.tables(), sm_scale=0.1, max_num_pages=2,
+                     workspace=wrong_heads, num_splits=2)

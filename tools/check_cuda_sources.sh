@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Compile-check every csrc/cuda/*.cu with nvcc against the installed torch's headers, on machines
-# without a GPU or a CUDA build of torch (setup.py builds these sources only when torch has CUDA).
-# Object files go to a temporary folder and are thrown away; exit status 1 if any source fails.
+# Compile-check the CUDA extension's sources (setup.py's rlengine._C_cuda) against the installed torch's
+# headers, on machines without a GPU or a CUDA build of torch (setup.py builds them only when torch has
+# CUDA): every csrc/cuda/*.cu with nvcc for sm_90, every csrc/cuda/*.cpp (the module file) with the host
+# compiler. Object files go to a temporary folder and are thrown away; exit status 1 if any source fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v nvcc >/dev/null || { echo "nvcc not found: nothing to check"; exit 1; }
@@ -18,6 +19,16 @@ status=0
 for src in csrc/cuda/*.cu; do
   if nvcc -c "$src" -o "$tmp/$(basename "$src").o" $inc -std=c++17 -O2 -Xcompiler -fPIC \
       -D_GLIBCXX_USE_CXX11_ABI="$abi" --expt-relaxed-constexpr -arch=sm_90 -w; then
+    echo "ok   $src"
+  else
+    echo "FAIL $src"; status=1
+  fi
+done
+pyinc=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+for src in csrc/cuda/*.cpp; do
+  [ -e "$src" ] || continue
+  if c++ -fsyntax-only "$src" $inc -I"$pyinc" -std=c++17 -D_GLIBCXX_USE_CXX11_ABI="$abi" \
+      -DTORCH_EXTENSION_NAME=_C_cuda -w; then
     echo "ok   $src"
   else
     echo "FAIL $src"; status=1
