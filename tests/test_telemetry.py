@@ -3,6 +3,8 @@ and boundary records from a hand-made engine trace.
 
 The stand-in implements the handful of pynvml calls the sampler makes; its counters advance only
 when the test says so, and the sampler's clock is a fake too, so every expected number is exact.
+Torch's view of the CUDA devices is a stand-in as well (CudaIdentity lists), mapped to the fake
+NVML GPUs by UUID / PCI bus id.
 """
 
 import time
@@ -11,6 +13,7 @@ import types
 import pytest
 
 from rlengine.telemetry.nvml import PHASES, NvmlSampler
+from rlengine.telemetry.nvml_devices import CudaIdentity, normalise_uuid
 from rlengine.telemetry.records import StepRecord, b_act_stats, build_boundary_record
 from rlengine.telemetry.timers import PhaseTimer
 
@@ -24,10 +27,19 @@ class FakeNVMLError(Exception):
 
 
 class FakeGPU:
-    def __init__(self):
+    def __init__(self, index):
         self.energy_mj = 1_000_000  # counter since "driver load"
         self.power_mw = 100_000
+        self.instant_mw = 150_000   # what the instantaneous power field reads, where supported
         self.gpu_util, self.mem_util = 0, 0
+        self.uuid = f"GPU-0000000{index}-aaaa-bbbb-cccc-dddddddddddd"
+        self.pci = types.SimpleNamespace(domain=0, bus=0x10 + index, device=0,
+                                         busId=f"00000000:{0x10 + index:02X}:00.0")
+
+
+class FakeField:
+    def __init__(self, ret, mw):
+        self.nvmlReturn, self.value = ret, types.SimpleNamespace(uiVal=mw)
 
 
 class FakeNVML:
@@ -37,10 +49,13 @@ class FakeNVML:
     NVML_ERROR_NOT_SUPPORTED = NOT_SUPPORTED
     NVML_CLOCK_SM, NVML_CLOCK_MEM = 1, 2
 
-    def __init__(self, num_gpus=1, energy_supported=True, fail_init=False):
-        self.gpus = [FakeGPU() for _ in range(num_gpus)]
+    NVML_FI_DEV_POWER_INSTANT = 186
+
+    def __init__(self, num_gpus=1, energy_supported=True, fail_init=False, instant_supported=False):
+        self.gpus = [FakeGPU(i) for i in range(num_gpus)]
         self.energy_supported, self.fail_init = energy_supported, fail_init
-        self.energy_calls = 0
+        self.instant_supported = instant_supported
+        self.energy_calls = self.field_calls = 0
         self.shutdown_called = False
 
     def nvmlInit(self):
@@ -68,6 +83,17 @@ class FakeNVML:
     def nvmlDeviceGetClockInfo(self, h, kind):
         return 1980 if kind == self.NVML_CLOCK_SM else 2619
 
+    def nvmlDeviceGetUUID(self, h):
+        return h.uuid
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return h.pci
+
+    def nvmlDeviceGetFieldValues(self, h, ids):
+        assert ids == [self.NVML_FI_DEV_POWER_INSTANT]
+        self.field_calls += 1
+        return [FakeField(0, h.instant_mw) if self.instant_supported else FakeField(NOT_SUPPORTED, 0)]
+
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
         self.energy_calls += 1
         if not self.energy_supported:
@@ -83,6 +109,16 @@ class FakeClock:
         return self.t
 
 
+def cuda_view(nvml, indices=None):
+    """Torch's view of CUDA devices that are the fake NVML GPUs `indices` (default: all), by UUID."""
+    indices = range(len(nvml.gpus)) if indices is None else indices
+    return [CudaIdentity(i, normalise_uuid(nvml.gpus[g].uuid), None) for i, g in enumerate(indices)]
+
+
+def sampler(nvml, clock=None, **kw):
+    return NvmlSampler(nvml=nvml, cuda_identities=cuda_view(nvml), **({"clock": clock} if clock else {}), **kw)
+
+
 def step(nvml, clock, seconds, joules, util=(0, 0), power_w=None):
     """Advance every fake GPU and the clock as if `seconds` of work drew `joules`."""
     clock.t += seconds
@@ -95,7 +131,7 @@ def step(nvml, clock, seconds, joules, util=(0, 0), power_w=None):
 
 def test_phase_tagging_and_per_phase_aggregation():
     nv, clock = FakeNVML(), FakeClock()
-    s = NvmlSampler(nvml=nv, clock=clock)
+    s = sampler(nv, clock)
     assert s.available and s.reason == ""
     s.sample_once()                                  # baseline, phase idle: no interval yet
     with s.phase("decode"):
@@ -137,7 +173,7 @@ def test_phase_tagging_and_per_phase_aggregation():
 
 def test_two_gpus_sum_energy_and_average_time():
     nv, clock = FakeNVML(num_gpus=2), FakeClock()
-    s = NvmlSampler(nvml=nv, clock=clock)
+    s = sampler(nv, clock)
     s.sample_once()
     s.set_phase("forward-backward")
     step(nv, clock, 2.0, 100.0, util=(50, 20))
@@ -149,7 +185,7 @@ def test_two_gpus_sum_energy_and_average_time():
 
 def test_energy_not_supported_falls_back_to_power_and_stops_asking():
     nv, clock = FakeNVML(energy_supported=False), FakeClock()
-    s = NvmlSampler(nvml=nv, clock=clock)
+    s = sampler(nv, clock)
     s.sample_once()
     s.set_phase("prefill")
     step(nv, clock, 2.0, 0.0, power_w=300.0)
@@ -164,7 +200,7 @@ def test_energy_not_supported_falls_back_to_power_and_stops_asking():
 
 def test_background_thread_samples_and_stops():
     nv = FakeNVML()
-    with NvmlSampler(nvml=nv, interval_s=0.005) as s:
+    with sampler(nv, interval_s=0.005) as s:
         with s.phase("decode"):
             deadline = time.monotonic() + 2.0
             while len(s.samples) < 4 and time.monotonic() < deadline:
@@ -178,7 +214,7 @@ def test_background_thread_samples_and_stops():
 
 
 def test_unknown_phase_is_rejected():
-    s = NvmlSampler(nvml=FakeNVML(), clock=FakeClock())
+    s = sampler(FakeNVML(), FakeClock())
     with pytest.raises(ValueError, match="forward-backward"):
         s.set_phase("train")
     assert set(PHASES) == {"prefill", "decode", "logprob", "forward-backward", "optimizer", "idle"}
@@ -203,6 +239,86 @@ def test_unavailable_path_says_why(nvml, needle):
 def test_missing_device_index_is_unavailable():
     s = NvmlSampler(devices=[3], nvml=FakeNVML(num_gpus=2))
     assert not s.available and "[3]" in s.reason
+
+
+# ---- which GPUs: torch's CUDA devices mapped to NVML -------------------------------------------
+def test_cuda_devices_map_to_nvml_by_uuid_then_pci():
+    nv = FakeNVML(num_gpus=4)
+    # CUDA_VISIBLE_DEVICES=2,0 in effect: cuda:0 is NVML's GPU 2 (known by UUID, torch prints no "GPU-"),
+    # cuda:1 is NVML's GPU 0, known only by its PCI location.
+    ids = [CudaIdentity(0, normalise_uuid(nv.gpus[2].uuid[4:].upper()), None), CudaIdentity(1, None, (0, 0x10, 0))]
+    s = NvmlSampler(nvml=nv, cuda_identities=ids, clock=FakeClock())
+    assert s.available and s.devices == [2, 0]
+    assert [x.gpu for x in s.sample_once()] == [2, 0]
+    # two MIG instances on one board (same PCI location, MIG UUIDs NVML does not list): sampled once
+    mig = [CudaIdentity(0, "mig-1234", (0, 0x11, 0)), CudaIdentity(1, "mig-5678", (0, 0x11, 0))]
+    assert NvmlSampler(nvml=FakeNVML(num_gpus=2), cuda_identities=mig).devices == [1]
+
+
+def test_unmapped_or_missing_cuda_devices_are_unavailable():
+    s = NvmlSampler(nvml=FakeNVML(num_gpus=2), cuda_identities=[CudaIdentity(0, "ffff", (0, 0x99, 0))])
+    assert not s.available and "CUDA device 0" in s.reason and "2 GPU(s)" in s.reason
+    s = NvmlSampler(nvml=FakeNVML(num_gpus=2), cuda_identities=[])
+    assert not s.available and "torch sees no CUDA device" in s.reason
+
+
+# ---- phase switches inside an interval, the stopped gap, instantaneous power -------------------
+def test_interval_is_split_at_phase_switches():
+    nv, clock = FakeNVML(), FakeClock()
+    s = sampler(nv, clock)
+    s.sample_once()                                   # t=100, idle
+    clock.t = 100.25
+    s.set_phase("optimizer")                          # a 0.25 s phase, shorter than the sampling period
+    clock.t = 100.5
+    s.set_phase("idle")
+    step(nv, clock, 0.5, 100.0, util=(80, 10))        # t=101: one sample interval of 1 s, 100 J
+    s.sample_once()
+    p = s.summary().phases
+    assert p["optimizer"].seconds == pytest.approx(0.25) and p["optimizer"].energy_j == pytest.approx(25.0)
+    assert p["idle"].seconds == pytest.approx(0.75) and p["idle"].energy_j == pytest.approx(75.0)
+    assert p["optimizer"].gpu_util_pct == pytest.approx(80.0)
+    assert len(s._switches) == 0                      # switches before the last sample are folded away
+
+
+def test_split_power_integral_interpolates():
+    nv, clock = FakeNVML(energy_supported=False), FakeClock()
+    s = sampler(nv, clock)
+    s.sample_once()                                   # 100 W at t=100
+    clock.t = 101.0
+    s.set_phase("decode")
+    step(nv, clock, 1.0, 0.0, power_w=300.0)          # 300 W at t=102; 200 W interpolated at the switch
+    s.sample_once()
+    p = s.summary().phases
+    assert p["idle"].energy_j == pytest.approx(150.0) and p["decode"].energy_j == pytest.approx(250.0)
+    assert p["decode"].power_w == pytest.approx(250.0)
+
+
+def test_stopped_gap_is_charged_to_no_phase():
+    nv, clock = FakeNVML(), FakeClock()
+    s = sampler(nv, clock, interval_s=1000.0)         # the thread never samples on its own here
+    s.start()                                         # baseline at t=100
+    s.set_phase("decode")
+    step(nv, clock, 1.0, 100.0)
+    s.stop()                                          # final sample: 1 s, 100 J of decode
+    step(nv, clock, 50.0, 5000.0)                     # stopped: not measured
+    s.start()                                         # a new baseline, not an interval
+    step(nv, clock, 1.0, 10.0)
+    s.stop()
+    dec = s.summary().phases["decode"]
+    assert dec.seconds == pytest.approx(2.0) and dec.energy_j == pytest.approx(110.0)
+
+
+@pytest.mark.parametrize("instant", [True, False])
+def test_instantaneous_power_where_offered(instant):
+    nv, clock = FakeNVML(instant_supported=instant), FakeClock()
+    s = sampler(nv, clock)
+    for _ in range(3):
+        step(nv, clock, 1.0, 1.0)
+        s.sample_once()
+    assert list(s.samples)[-1].power_w == pytest.approx(150.0 if instant else 100.0)
+    assert s.summary().power_source == ("instant" if instant else "average")
+    assert nv.field_calls == (3 if instant else 1)    # "not supported" is asked once
+    assert ("instant" if instant else "average") in s.summary().format()
 
 
 def test_default_sampler_on_this_machine():

@@ -8,6 +8,10 @@
       (rows: b, responses, t_gen[, t_train])
   python tools/plots.py ttt table1.json -o ttt.png
       normalised time-to-target against batch (rows: P, T_norm[, label])
+  python tools/plots.py sweep bench/results/bench_packed_attention.json --x B --y loop_ms,padded_ms --group L,mode
+      any sweep: one line per y column and per value of the group columns (log x when x spans > 8x)
+  python tools/plots.py serve bench/results/serve.json -o serve.png
+      TTFT / TPOT / ITL percentiles against request rate (rows: request_rate, *_ms percentiles)
 Each input is a JSON object with a "rows" list (what bench/harness.py writes).
 """
 
@@ -110,17 +114,69 @@ def plot_time_to_target(data: dict, out: str | Path) -> Path:
     return _save(fig, out)
 
 
-PLOTS = {"decode": plot_decode, "asymmetry": plot_asymmetry, "ttt": plot_time_to_target}
+def plot_sweep(data: dict, out: str | Path, *, x: str, y: list[str], group: list[str] | None = None) -> Path:
+    """One line per (y column, group value) against x; rows missing a y value are skipped for that line."""
+    rows = _rows(data, (x,), "sweep")
+    group = [g for g in (group or []) if g != x]
+    lines: dict[tuple, list[tuple]] = {}
+    for r in rows:
+        key = tuple(r.get(g) for g in group)
+        for col in y:
+            if isinstance(r.get(col), (int, float)):
+                lines.setdefault((col, key), []).append((r[x], r[col]))
+    if not lines:
+        raise ValueError(f"sweep: no numeric values for {y} in the rows")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (col, key), pts in lines.items():
+        pts.sort()
+        label = col + ("" if not group else " (" + ", ".join(f"{g}={v}" for g, v in zip(group, key)) + ")")
+        ax.plot(*zip(*pts), "o-", label=label)
+    xs = [r[x] for r in rows if isinstance(r[x], (int, float))]
+    if xs and min(xs) > 0 and max(xs) / min(xs) > 8:
+        ax.set_xscale("log", base=2)
+    ax.set(xlabel=x, ylabel=", ".join(y), title=data.get("name", "sweep"))
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    return _save(fig, out)
+
+
+def plot_serving(data: dict, out: str | Path) -> Path:
+    """Three panels against request rate: TTFT, TPOT and ITL (median and p99), vLLM's definitions."""
+    rows = sorted(_rows(data, ("request_rate",), "serve"), key=lambda r: float(r["request_rate"]))
+    rates = [float(r["request_rate"]) for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, metric in zip(axes, ("ttft", "tpot", "itl")):
+        for stat, style in (("median", "o-"), ("p99", "s--")):
+            vals = [r.get(f"{stat}_{metric}_ms") for r in rows]
+            pts = [(a, v) for a, v in zip(rates, vals) if v is not None]
+            if pts:
+                ax.plot(*zip(*pts), style, label=stat)
+        ax.set(xlabel="request rate (req/s)", ylabel="ms", title=metric.upper())
+        ax.legend()
+        ax.grid(True, alpha=0.3)
+    return _save(fig, out)
+
+
+PLOTS = {"decode": plot_decode, "asymmetry": plot_asymmetry, "ttt": plot_time_to_target, "serve": plot_serving}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Plot rlengine measurement JSON to PNG.")
-    parser.add_argument("kind", choices=sorted(PLOTS))
+    parser.add_argument("kind", choices=sorted([*PLOTS, "sweep"]))
     parser.add_argument("input", type=Path, help="JSON with a 'rows' list")
     parser.add_argument("-o", "--out", type=Path, help="PNG path (default: input with .png)")
+    parser.add_argument("--x", help="sweep: x column")
+    parser.add_argument("--y", help="sweep: comma-separated y columns")
+    parser.add_argument("--group", default="", help="sweep: comma-separated columns that tell lines apart")
     args = parser.parse_args(argv)
     data = json.loads(args.input.read_text())
-    path = PLOTS[args.kind](data, args.out or args.input.with_suffix(".png"))
+    out = args.out or args.input.with_suffix(".png")
+    if args.kind == "sweep":
+        if not args.x or not args.y:
+            parser.error("sweep needs --x and --y")
+        path = plot_sweep(data, out, x=args.x, y=args.y.split(","), group=[g for g in args.group.split(",") if g])
+    else:
+        path = PLOTS[args.kind](data, out)
     print(f"wrote {path}")
     return 0
 

@@ -1,25 +1,35 @@
 """`rlengine bench asymmetry`: generation vs training cost as the batch grows (PAPER.md, generation side).
 
-For each batch B (responses), on one model and this machine: collect B responses through
-the engine (max_num_seqs = B, fixed response length so every B does the same work per
-response) and time it (t_gen); run one learner update on them (t_train). Medians over
---reps. Then fit t_gen = d0 + d1*B and t_train = gamma*B, report the critical generation
-batch (smallest B with q_gen >= (1 - delta) * max q_gen), and the paper's figures: collection
-time and generation-throughput ratios against the smallest B, and the training-time ratio.
-Writes JSON rows {b, responses, t_gen, t_train, q_gen, ...} that tools/plots.py asymmetry reads.
+For each batch B (responses), on one model and this machine: collect B responses through the
+engine (max_num_seqs = B) and time it (t_gen); run one learner update on them (t_train).
+Method:
+  - One engine per B and ONE learner (one optimizer) for the whole sweep. Every B gets an
+    untimed warm-up repetition (engine allocations, CUDA-graph capture, optimizer state), so
+    no timed region allocates optimizer state or runs a first-call path.
+  - Response lengths: --length-dist fixed (every response --gen-len tokens: each B does the
+    same work per response) or ragged (uniform / lognormal with mean --gen-len, drawn per
+    repetition). Ragged is what d0 means: the tail of a rollout where few sequences still run.
+    Fixed lengths use n=G requests (the prompt is prefilled once and forked); ragged lengths
+    need one request per response (each its own max_tokens), so the prompt is prefilled G times.
+  - Medians over --reps per B for the table; the fits t_gen = d0 + d1*B and t_train = gamma*B
+    use every repetition, with standard errors and bootstrap intervals (analysis/fits.py).
+Then the critical generation batch (smallest B with q_gen >= (1 - delta) * max q_gen) and the
+paper's figures: collection time and generation-throughput ratios against the smallest B, and
+the training-time ratio. --profile DIR records one more (untimed) repetition at the largest B.
+Writes asymmetry.json rows {b, responses, t_gen, t_train, q_gen, ...} that tools/plots.py reads.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from rlengine.analysis.fits import critical_generation_batch, fit_generation_time, fit_training_time
+from rlengine.analysis.fits import bootstrap_fits, critical_generation_batch, fit_generation_time, fit_training_time
+from rlengine.benchmarks.lengths import add_length_args, sample_lengths
+from rlengine.benchmarks.report import format_table, write_result
 from rlengine.config import DTYPES, preset
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.qwen3 import Qwen3ForCausalLM
@@ -27,28 +37,91 @@ from rlengine.rl.batching import grpo_batch
 from rlengine.rl.config import TrainSection
 from rlengine.rl.learner import Learner
 from rlengine.rl.rollout import RolloutGroup
+from rlengine.telemetry.profiler import ProfileWindow, step_profiler
+
+COLUMNS = ["b", "t_gen", "t_train", "q_gen", "mean_response_len", "responses_ratio", "t_gen_ratio", "q_gen_ratio",
+           "t_train_ratio"]
 
 
-
-def _measure(model, b: int, G: int, prompt_len: int, gen_len: int, backend: str, seed: int) -> tuple[float, float]:
-    llm = LLM(model, max_num_seqs=b, attention_backend=backend, max_model_len=prompt_len + gen_len + 1, seed=seed)
+def _requests(args, vocab: int, b: int, rep: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts and params for B responses: B/G prompts, each answered G times."""
+    G, seed = args.group_size, 7919 * b + rep
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, model.config.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(b // G)]
-    params = SamplingParams(n=G, temperature=1.0, max_tokens=gen_len, ignore_eos=True, seed=seed)
-    llm.capture_decode_graphs()  # GPU: outside the timed region (no-op without CUDA graphs)
+    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(b // G)]
+    if args.length_dist == "fixed":
+        group = SamplingParams(n=G, temperature=1.0, max_tokens=args.gen_len, ignore_eos=True, seed=seed)
+        return prompts, [group] * len(prompts)
+    lens = sample_lengths(args.length_dist, args.gen_len, b, seed=seed, hi=3 * args.gen_len)
+    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=seed + i) for i, n in enumerate(lens)]
+    return [p for p in prompts for _ in range(G)], params
+
+
+def _groups(outs, G: int) -> list[RolloutGroup]:
+    """Responses grouped per prompt (G consecutive n=1 requests, or one n=G request)."""
+    comps = [c for o in outs for c in o.outputs]
+    prompts = [o.prompt_token_ids for o in outs for _ in o.outputs]
+    groups = []
+    for i in range(0, len(comps), G):
+        cs = comps[i:i + G]
+        groups.append(RolloutGroup(i // G, prompts[i], [c.token_ids for c in cs], [c.logprobs for c in cs],
+                                   [float(j % 2) for j in range(G)], [c.policy_versions for c in cs],
+                                   [c.finish_reason for c in cs]))
+    return groups
+
+
+def _one(args, llm: LLM, learner: Learner, b: int, rep: int, profiler=None) -> dict:
+    """One timed repetition: collect B responses, one update. With a profiler: stepwise, for the trace."""
+    prompts, params = _requests(args, llm.config.vocab_size, b, rep)
+    sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    if profiler is None:
+        outs = llm.generate(prompts, params)
+    else:  # the same requests through the step API, so the profiler sees engine steps
+        ids = [llm.add_request(p, q) for p, q in zip(prompts, params)]
+        done = {}
+        while llm.has_unfinished():
+            done.update((o.request_id, o) for o in llm.step())
+            profiler.step()
+        outs = [done[i] for i in ids]
     t_gen = time.perf_counter() - t0
-    groups = [RolloutGroup(i, o.prompt_token_ids, [c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs],
-                           [float(j % 2) for j in range(G)], [c.policy_versions for c in o.outputs],
-                           [c.finish_reason for c in o.outputs]) for i, o in enumerate(outs)]
-    learner = Learner(model, TrainSection(prompts_per_step=b // G, group_size=G, lr=1e-9))
-    batch = grpo_batch(groups, normalize_std=True).to(model.device)
+    groups = _groups(outs, args.group_size)
+    batch = grpo_batch(groups, normalize_std=True).to(llm.device)
+    sync()
     t1 = time.perf_counter()
     learner.step(batch)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
-    return t_gen, time.perf_counter() - t1
+    sync()
+    t_train = time.perf_counter() - t1
+    if profiler is not None:
+        profiler.step()
+    return {"t_gen": t_gen, "t_train": t_train, "tokens": sum(len(g) for gr in groups for g in gr.completions)}
+
+
+def _fits(rows: list[dict]) -> dict:
+    """Fits over every repetition, with standard errors and (when there are >= 3 points) bootstrap intervals."""
+    bs = [r["b"] for r in rows for _ in r["t_gen_reps"]]
+    tg = [t for r in rows for t in r["t_gen_reps"]]
+    tt = [t for r in rows for t in r["t_train_reps"]]
+    gen, train = fit_generation_time(bs, tg), fit_training_time(bs, tt)
+    fit = {"d0": gen.d0, "d1": gen.d1, "r2_gen": gen.r2, "d0_se": gen.d0_se, "d1_se": gen.d1_se,
+           "gamma": train.gamma, "r2_train": train.r2, "gamma_se": train.gamma_se, "points": len(bs),
+           "bootstrap": None}
+    if len(bs) >= 3:
+        iv = bootstrap_fits(bs, tg, tt, resamples=2000, level=0.9)
+        fit["bootstrap"] = {"level": iv.level, "resamples": iv.resamples, "d0": iv.d0, "d1": iv.d1, "gamma": iv.gamma}
+    return fit
+
+
+def _print_fits(fit: dict) -> None:
+    se = lambda v: "" if v is None else f" +- {v:.2g}"  # noqa: E731
+    print(f"fit t_gen = d0 + d1*B over {fit['points']} points: d0={fit['d0']:.4g}{se(fit['d0_se'])} s, "
+          f"d1={fit['d1']:.4g}{se(fit['d1_se'])} s/response (r2={fit['r2_gen']:.3f}; +- one standard error)")
+    print(f"fit t_train = gamma*B: gamma={fit['gamma']:.4g}{se(fit['gamma_se'])} s/response (r2={fit['r2_train']:.3f})")
+    if fit["bootstrap"]:
+        iv = fit["bootstrap"]
+        fmt = lambda k: f"[{iv[k][0]:.4g}, {iv[k][1]:.4g}]"  # noqa: E731
+        print(f"bootstrap {iv['level']:.0%} intervals: d0 {fmt('d0')}, d1 {fmt('d1')}, gamma {fmt('gamma')}")
+    else:
+        print("bootstrap intervals: need >= 3 points (more --batches or --reps)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,12 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="8,16,32,64", help="comma-separated B (responses; multiples of G)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--gen-len", type=int, default=32, help="response length (the mean when ragged)")
+    add_length_args(p, "response lengths")
     p.add_argument("--backend", default="auto")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--delta", type=float, default=0.1, help="tolerance of the critical generation batch")
+    p.add_argument("--threads", type=int, default=None, help="CPU: torch.set_num_threads")
+    p.add_argument("--profile", default=None, metavar="DIR", help="trace one untimed repetition at the largest B")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.batches.split(",")]
     if len(batches) < 2:
         raise SystemExit("--batches needs at least two batch sizes to fit t_gen = d0 + d1*B")
@@ -73,41 +151,39 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"--batches {bad} are not multiples of --group-size {args.group_size}")
     model = Qwen3ForCausalLM(preset(args.model), device=args.device, dtype=DTYPES[args.dtype])
-    _measure(model, batches[0], args.group_size, args.prompt_len, 4, args.backend, 0)  # warm-up
-    rows = []
+    max_len = args.prompt_len + (args.gen_len if args.length_dist == "fixed" else 3 * args.gen_len) + 1
+    learner = Learner(model, TrainSection(prompts_per_step=max(batches) // args.group_size,
+                                          group_size=args.group_size, lr=1e-9))
+    rows, llm = [], None
     for b in batches:
-        runs = [_measure(model, b, args.group_size, args.prompt_len, args.gen_len, args.backend, r)
-                for r in range(args.reps)]
-        t_gen = statistics.median(r[0] for r in runs)
-        t_train = statistics.median(r[1] for r in runs)
+        llm = LLM(model, max_num_seqs=b, attention_backend=args.backend, max_model_len=max_len, seed=b)
+        llm.capture_decode_graphs()  # GPU: outside the timed region (no-op without CUDA graphs)
+        _one(args, llm, learner, b, rep=-1)  # warm-up of this B: engine, graphs, optimizer state
+        runs = [_one(args, llm, learner, b, r) for r in range(args.reps)]
+        t_gen, t_train = statistics.median(r["t_gen"] for r in runs), statistics.median(r["t_train"] for r in runs)
         rows.append({"b": b, "responses": b, "t_gen": t_gen, "t_train": t_train, "q_gen": b / t_gen,
-                     "q": b / (t_gen + t_train)})
+                     "q": b / (t_gen + t_train), "mean_response_len": statistics.fmean(r["tokens"] for r in runs) / b,
+                     "t_gen_reps": [r["t_gen"] for r in runs], "t_train_reps": [r["t_train"] for r in runs]})
     ref = rows[0]
     for r in rows:
         r.update(t_gen_ratio=r["t_gen"] / ref["t_gen"], q_gen_ratio=r["q_gen"] / ref["q_gen"],
                  t_train_ratio=r["t_train"] / ref["t_train"], responses_ratio=r["b"] / ref["b"])
-    gen_fit = fit_generation_time([r["b"] for r in rows], [r["t_gen"] for r in rows])
-    train_fit = fit_training_time([r["b"] for r in rows], [r["t_train"] for r in rows])
+    fit = _fits(rows)
     b_crit = critical_generation_batch([r["b"] for r in rows], [r["q_gen"] for r in rows], args.delta)
-    cols = ["b", "t_gen", "t_train", "q_gen", "responses_ratio", "t_gen_ratio", "q_gen_ratio", "t_train_ratio"]
-    print(f"model={args.model} dtype={args.dtype} device={args.device} G={args.group_size} "
-          f"prompt={args.prompt_len} gen={args.gen_len} reps={args.reps} threads={torch.get_num_threads()}")
-    print("  ".join(f"{c:>15}" for c in cols))
-    for r in rows:
-        print("  ".join(f"{r[c]:>15.4g}" for c in cols))
-    print(f"fit t_gen = d0 + d1*B: d0={gen_fit.d0:.4g} s, d1={gen_fit.d1:.4g} s/response (r2={gen_fit.r2:.3f})")
-    print(f"fit t_train = gamma*B: gamma={train_fit.gamma:.4g} s/response (r2={train_fit.r2:.3f})")
+    print(f"model={args.model} dtype={args.dtype} device={args.device} G={args.group_size} prompt={args.prompt_len} "
+          f"gen={args.gen_len} ({args.length_dist}) reps={args.reps} threads={torch.get_num_threads()}")
+    print(format_table(rows, COLUMNS))
+    _print_fits(fit)
     print(f"critical generation batch (delta={args.delta}): B={b_crit:g}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "asymmetry.json"
-    path.write_text(json.dumps({
-        "name": "asymmetry", "rows": rows, "fit": {"d0": gen_fit.d0, "d1": gen_fit.d1, "r2_gen": gen_fit.r2,
-                                                   "gamma": train_fit.gamma, "r2_train": train_fit.r2},
-        "critical_generation_batch": b_crit, "delta": args.delta,
-        "conditions": {"model": args.model, "dtype": args.dtype, "device": args.device, "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "group_size": args.group_size,
-                       "prompt_len": args.prompt_len, "gen_len": args.gen_len, "reps": args.reps,
-                       "time": time.strftime("%Y-%m-%dT%H:%M:%S")}}, indent=2))
-    print(f"wrote {path}")
+    if args.profile:
+        prof = step_profiler(args.profile, name="asymmetry", window=ProfileWindow(0, 10**9), device=model.device,
+                             ranges=[r for r in (getattr(llm, "ranges", None), getattr(learner, "ranges", None)) if r])
+        with prof:
+            _one(args, llm, learner, batches[-1], rep=args.reps, profiler=prof)
+        print(f"profile: {prof.trace_path} {prof.note}".rstrip())
+    write_result(args.out, "asymmetry", rows, device=model.device, llm=llm, fit=fit,
+                 critical_generation_batch=b_crit, delta=args.delta, conditions={
+                     "model": args.model, "dtype": args.dtype, "group_size": args.group_size,
+                     "prompt_len": args.prompt_len, "gen_len": args.gen_len, "length_dist": args.length_dist,
+                     "reps": args.reps, "warmup": "one untimed repetition per B; one learner for the sweep"})
     return 0

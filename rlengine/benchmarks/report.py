@@ -1,0 +1,33 @@
+"""Tables and result files of the installed benchmarks (bench/harness.py re-uses the table).
+
+format_table prints rows as an aligned plain-text table; write_result writes {out}/{name}.json
+with the rows, any extra fields and the provenance (telemetry/provenance.py) under
+"conditions", and says where it went.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlengine.telemetry.provenance import write_json
+
+
+def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """Aligned plain-text table of dict rows (floats shown with 4 significant digits, None as '-')."""
+    if not rows:
+        return "(no rows)"
+    columns = columns or list(rows[0])
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else str(v))  # noqa: E731
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def write_result(out: str | Path, name: str, rows: list[dict], *, conditions: dict | None = None, device=None,
+                 llm=None, **extra) -> Path:
+    """{out}/{name}.json = {"name", "rows", **extra, "conditions": provenance + conditions}."""
+    payload = {"name": name, "rows": rows, **extra, "conditions": conditions or {}}
+    path = write_json(Path(out) / f"{name}.json", payload, device=device, llm=llm)
+    print(f"wrote {path}")
+    return path
