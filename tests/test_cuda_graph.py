@@ -192,16 +192,26 @@ def test_graphs_see_in_place_weight_updates(dense):
 
 
 def test_decode_graph_batch_is_static():
-    """The bucket batch marks itself static and carries only placeholders in its host fields."""
+    """The bucket batch marks itself static, carries only placeholders in its host fields, and views the
+    same buffer addresses that an ordinary decode step padded to the bucket writes (one prepare)."""
     from rlengine.config import preset
     from rlengine.model.qwen3 import Qwen3ForCausalLM
 
     model = Qwen3ForCausalLM(preset("tiny"))
-    llm = LLM(model, max_num_seqs=4, attention_backend="cpp", max_model_len=64)
-    g = DecodeGraphs(model, llm.backend, llm.kv_cache, max_bs=4, max_pages_per_seq=4, graph_cls=StaticReplay)
-    fb = g._static_batch(4)
-    assert fb.static and fb.max_num_pages == 4 and fb.batch_size == 4
-    assert fb.input_ids.data_ptr() == g.i64.data_ptr()
-    g.fill([], 4)
+    llm = LLM(model, max_num_seqs=4, attention_backend="cpp", max_model_len=64, block_size=8)
+    g = DecodeGraphs(model, llm.backend, llm.runner.inputs, max_bs=4, graph_cls=StaticReplay)
+    fb = llm.runner.inputs.static_batch(4)
+    assert fb.static and fb.max_num_pages == 8 and fb.batch_size == 4
+    llm.runner.inputs.fill_padding(4)
     assert fb.kv_indptr.tolist() == [0, 1, 2, 3, 4] and fb.kv_last_page_len.tolist() == [1] * 4
     assert fb.kv_indices[:4].tolist() == [llm.kv_cache.null_block] * 4
+    # a real decode step of 3 sequences padded to bucket 4 writes exactly where the static batch reads
+    for prompt in ([5, 6, 7], [8] * 9, [9]):
+        llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    llm.step()  # prefill
+    batch = llm.scheduler.schedule()
+    prep = llm.runner.inputs.prepare(batch, pad_to=4)
+    for name in ("input_ids", "positions", "slot_mapping", "kv_indptr", "kv_last_page_len", "kv_indices"):
+        assert getattr(prep.fb, name).data_ptr() == getattr(fb, name).data_ptr(), name
+    assert fb.positions.tolist() == [3, 9, 1, 0] and fb.kv_indptr.tolist() == [0, 1, 3, 4, 5]
+    assert fb.kv_indices[4].item() == llm.kv_cache.null_block and g.bucket(3) == 4

@@ -162,3 +162,25 @@ def test_fsdp_run_matches_one_process_and_its_checkpoint_resumes_anywhere(tmp_pa
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _metrics(tmp_path / "fsdp")[-1]["update"] == 3
+
+
+def test_decode_graphs_are_recaptured_when_parameter_storage_moves(tmp_path):
+    """FSDP re-allocates the unsharded parameters at each unshard; graphs replay fixed addresses, so
+    the trainer re-captures them when the storage moved (checked here through the CPU replay stand-in)."""
+    from rlengine.engine.cuda_graph import StaticReplay
+
+    tr = Trainer(load_config("rlengine/configs/grpo.toml", SMALL + ["--train.updates", "1", "--run.out_dir",
+                                                                     str(tmp_path / "g"), "--model.dtype", "float32"]))
+    for llm in (tr.llm, tr.eval_llm):
+        llm._use_decode_graphs(StaticReplay)
+    tr._graph_weights = None
+    tr.refresh_decode_graphs()
+    first = tr.llm.runner.graphs
+    tr.train_step()
+    assert tr.graph_recaptures == 0 and tr.llm.runner.graphs is first  # same storage: kept
+    with torch.no_grad():
+        for p in tr.model.parameters():
+            p.data = p.data.clone()  # what a reshard + unshard does to the addresses
+    rec = tr.train_step()
+    assert tr.graph_recaptures == 2 and tr.llm.runner.graphs is not first
+    assert tr.llm.runner.graphs.graph_cls is StaticReplay and rec["gen_tokens"] > 0

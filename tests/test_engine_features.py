@@ -14,6 +14,7 @@ import torch
 from conftest import tol
 from rlengine import LLM, SamplingParams
 from rlengine.config import preset
+from rlengine.engine.sampling_params import sample_seed
 from rlengine.model import Qwen3ForCausalLM
 
 
@@ -51,7 +52,7 @@ def test_fork_prefills_once_and_matches_independent_requests(model, backend, pro
     llm = _llm(model, attention_backend=backend, block_size=P, max_num_seqs=8)
     copies = []
     copy_blocks = llm.kv_cache.copy_blocks
-    llm.kv_cache.copy_blocks = lambda pairs: (copies.extend(pairs), copy_blocks(pairs))
+    llm.kv_cache.copy_blocks = lambda src, dst: (copies.extend(zip(src.tolist(), dst.tolist())), copy_blocks(src, dst))
     params = SamplingParams(n=G, seed=seed, temperature=1.0, max_tokens=10, ignore_eos=True)
     outs = llm.generate([prompt], params)
 
@@ -63,8 +64,9 @@ def test_fork_prefills_once_and_matches_independent_requests(model, backend, pro
     assert llm.block_manager.num_free == llm.block_manager.num_blocks
 
     ref_llm = _llm(model, attention_backend=backend, block_size=P, max_num_seqs=8)
-    refs = ref_llm.generate([prompt] * G, [SamplingParams(n=1, seed=seed + i, temperature=1.0, max_tokens=10,
-                                                          ignore_eos=True) for i in range(G)])
+    # the documented seed property: sample i of (n = G, seed s) == the one sample of (n = 1, sample_seed(s, i))
+    refs = ref_llm.generate([prompt] * G, [SamplingParams(n=1, seed=sample_seed(seed, i), temperature=1.0,
+                                                          max_tokens=10, ignore_eos=True) for i in range(G)])
     assert sum(r.tokens for r in refs.trace if r.kind == "prefill") == G * prompt_len
     (out,) = outs
     assert [c.index for c in out.outputs] == list(range(G))
@@ -299,3 +301,60 @@ def test_generate_does_not_swallow_streaming_requests():
     later = llm.step()
     assert [o.request_id for o in later] == [rid] and len(later[0].outputs[0].token_ids) == 3
     assert not llm.has_unfinished()
+
+
+# ---- one KV pool, two engines (the trainer's rollout and eval engines) ---------------------------
+def test_eval_engine_shares_the_rollout_pool():
+    """An eval engine on the rollout engine's pool: one cache tensor, one free list. An evaluation run
+    while a rollout request is in flight (async partial rollouts carry over) neither disturbs it nor
+    keeps blocks; a pool laid out for another shape is refused; a pool whose blocks are all held by the
+    other engine stops with an error instead of spinning."""
+    model = Qwen3ForCausalLM(preset("tiny"))
+    kw = dict(block_size=4, attention_backend="cpp")
+    rollout = LLM(model, max_num_seqs=8, num_kv_blocks=24, **kw)
+    evaluator = LLM(model, max_num_seqs=4, kv_pool=rollout.kv_pool, **kw)
+    assert evaluator.kv_cache.data.data_ptr() == rollout.kv_cache.data.data_ptr()
+    assert evaluator.block_manager.num_blocks == 24
+    prompts = _prompts([6, 9, 3])
+    sampled = SamplingParams(n=2, seed=3, max_tokens=10, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ref_rollout = LLM(model, max_num_seqs=8, **kw).generate([prompts[0]], sampled)
+    ref_eval = LLM(model, max_num_seqs=4, **kw).generate(prompts[1:], greedy)
+
+    rid = rollout.add_request(prompts[0], sampled)
+    for _ in range(3):
+        rollout.step()
+    held = rollout.block_manager.num_blocks - rollout.block_manager.num_free
+    assert held > 0
+    _assert_same(evaluator.generate(prompts[1:], greedy), ref_eval)
+    assert rollout.block_manager.num_blocks - rollout.block_manager.num_free == held
+    finished = []
+    while rollout.has_unfinished():
+        finished += rollout.step()
+    assert [o.request_id for o in finished] == [rid]
+    _assert_same(finished, ref_rollout)
+    assert rollout.block_manager.num_free == 24
+
+    with pytest.raises(ValueError, match="kv_pool"):
+        LLM(model, kv_pool=rollout.kv_pool, block_size=8, attention_backend="cpp")
+    with pytest.raises(ValueError, match="kv_pool: a shared pool keeps its own size"):
+        LLM(model, kv_pool=rollout.kv_pool, num_kv_blocks=4, **kw)
+    hog = rollout.add_request([5] * 60, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    rollout.step()  # 15 of 24 blocks held by the rollout engine
+    evaluator.add_request([7] * 50, greedy)  # needs 13
+    with pytest.raises(RuntimeError, match="needs 13 KV blocks, 9 of 24 are free"):
+        evaluator.step()
+    rollout.abort_request(hog)
+
+
+def test_auto_backend_never_picks_flashinfer(monkeypatch):
+    """`auto` picks only backends the suite checks against the torch oracle: even with flashinfer
+    importable on a GPU it takes triton (FlashInfer stays opt-in until a GPU run has checked it)."""
+    from rlengine.engine.attention import AUTO_ORDER, BACKENDS, resolve_backend
+
+    for cls in BACKENDS.values():
+        monkeypatch.setattr(cls, "unavailable_reason", staticmethod(lambda device: None), raising=False)
+    assert resolve_backend("auto", torch.device("cuda")).name == "triton"
+    assert resolve_backend("auto", torch.device("cpu")).name == "cpp"
+    assert resolve_backend("flashinfer", torch.device("cuda")).name == "flashinfer"
+    assert all("flashinfer" not in order for order in AUTO_ORDER.values())

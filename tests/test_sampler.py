@@ -2,8 +2,11 @@
 returned log-probs follow SamplingParams.logprobs_mode, and sequence_logprobs (the learner's side)
 gives the same numbers and the gradient of a hand-built masked log_softmax.
 
-The sampler is driven directly (no model) with fake Sequences on a small vocabulary: one
-call with N identical logits rows is N independent draws, so each case is one batched call.
+The sampler is driven directly (no model) with SamplingBatches built by make_sampling_batch on a
+small vocabulary: one call with N identical logits rows is N independent draws, so each case is
+one batched call. The draw is a two-level exponential race (sampler.py); its own cases cover
+vocabularies that are not a multiple of the chunk size, mass concentrated in one chunk, the
+hashed (seeded) exponentials, and a planted bug in the chunk level that the test must catch.
 Frequencies are checked with Pearson's chi-square test over the tokens the target keeps;
 tokens the target removes (top-k, top-p) must never be drawn. The critical value is the
 Wilson-Hilferty approximation chi2_{1-a}(k) ~= k * (1 - 2/(9k) + z_{1-a} * sqrt(2/(9k)))^3
@@ -14,12 +17,18 @@ deterministic: a pass or a failure reproduces exactly.
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from rlengine.engine.sampler import Sampler, filter_logits, sequence_logprobs
-from rlengine.engine.sampling_params import SamplingParams
-from rlengine.engine.sequence import Sequence
+from rlengine.engine import sampler as sampler_mod
+from rlengine.engine.sampler import (Sampler, chunking, draw_keys, filter_logits, hashed_exponentials,
+                                     make_sampling_batch, sequence_logprobs)
+from rlengine.engine.sampling_params import SamplingParams, sample_seed, splitmix64
+
+CPU = torch.device("cpu")
+# sample_seed(0, 1), sample_seed(1, 2), sample_seed(-1, 3): pinned so a change of the hash shows
+SAMPLE_SEED_VALUES = [6791897765849424158, 16171810823986729605, 4722581856061867462]
 
 Z_999 = 3.0902  # standard normal quantile at 1 - 1e-3
 N_DRAWS = 20_000
@@ -48,15 +57,12 @@ def test_chi_square_check_rejects_a_wrong_distribution():
         _assert_matches(tokens, (logits / 1.2).softmax(-1))
 
 
-def _seqs(n: int, params: SamplingParams, seeds=None) -> list[Sequence]:
-    gens = [None] * n if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
-    return [Sequence("r", i, [0], params, g) for i, g in enumerate(gens)]
-
-
 def _draw(logits_V: torch.Tensor, params: SamplingParams, n: int = N_DRAWS, seeds=None, sampler_seed: int = 0):
-    sampler = Sampler(torch.device("cpu"), seed=sampler_seed)
-    tokens, logprobs = sampler(logits_V.expand(n, -1).contiguous(), _seqs(n, params, seeds))
-    return torch.tensor(tokens), torch.tensor(logprobs)
+    """n draws from one logits row: unseeded (the engine's generator) or one seed per draw (hashed)."""
+    sampler = Sampler(CPU, seed=sampler_seed)
+    sb = make_sampling_batch([params] * n, seed_keys=None if seeds is None else list(seeds),
+                             vocab_size=logits_V.numel())
+    return sampler(logits_V.expand(n, -1).contiguous(), sb)
 
 
 def _assert_matches(tokens: torch.Tensor, target_V: torch.Tensor) -> None:
@@ -162,23 +168,25 @@ def test_seeded_rows_sample_the_target_distribution():
 def test_greedy_rows_take_the_argmax_in_any_batch():
     logits = _logits(40, seed=5).expand(8, -1).clone() + torch.randn(8, 40, generator=torch.Generator().manual_seed(6))
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.5)
-    sampler = Sampler(torch.device("cpu"))
+    sampler = Sampler(CPU)
     for mix in ([greedy] * 8, [greedy, sampled] * 4):
-        seqs = [Sequence("r", i, [0], p, None) for i, p in enumerate(mix)]
-        tokens, logprobs = sampler(logits, seqs)
+        tokens, logprobs = sampler(logits, make_sampling_batch(mix, vocab_size=40))
         for i, p in enumerate(mix):
             if p.greedy:
                 assert tokens[i] == logits[i].argmax().item()
                 assert logprobs[i] == pytest.approx(logits[i].log_softmax(-1).max().item(), abs=1e-6)
 
 
-def _run_steps(sampler: Sampler, rows: list[tuple[torch.Tensor, Sequence]], steps: int) -> list[list[int]]:
-    """Sample `steps` times for rows [(logits [steps, V], seq)]; returns each row's tokens."""
+def _run_steps(sampler: Sampler, rows: list[tuple[torch.Tensor, SamplingParams, int | None]],
+               steps: int) -> list[list[int]]:
+    """Sample `steps` times (positions 0..steps-1) for rows [(logits [steps, V], params, seed or None)]."""
     out = [[] for _ in rows]
     for t in range(steps):
-        logits = torch.stack([lg[t] for lg, _ in rows])
-        tokens, _ = sampler(logits, [s for _, s in rows])
-        for i, tok in enumerate(tokens):
+        logits = torch.stack([lg[t] for lg, _, _ in rows])
+        sb = make_sampling_batch([p for _, p, _ in rows], seed_keys=[k for _, _, k in rows], positions=[t] * len(rows),
+                                 vocab_size=logits.shape[1])
+        tokens, _ = sampler(logits, sb)
+        for i, tok in enumerate(tokens.tolist()):
             out[i].append(tok)
     return out
 
@@ -189,19 +197,17 @@ def test_seeded_rows_reproduce_and_ignore_batch_composition():
     params = SamplingParams(temperature=0.9, top_k=12, top_p=0.9, seed=42)
 
     def row(seed):
-        return lg(7), Sequence("r", 0, [0], params, torch.Generator().manual_seed(seed))
+        return lg(7), params, seed
 
-    alone = _run_steps(Sampler(torch.device("cpu"), seed=0), [row(42)], steps)[0]
-    again = _run_steps(Sampler(torch.device("cpu"), seed=99), [row(42)], steps)[0]
+    alone = _run_steps(Sampler(CPU, seed=0), [row(42)], steps)[0]
+    again = _run_steps(Sampler(CPU, seed=99), [row(42)], steps)[0]
     assert alone == again, "the same seed must give the same tokens whatever the engine's own seed"
-    others = [(lg(1), Sequence("r", 0, [0], SamplingParams(temperature=1.0), None)),
-              (lg(2), Sequence("r", 0, [0], SamplingParams(temperature=0.0), None)),
-              (lg(3), Sequence("r", 0, [0], SamplingParams(temperature=1.3, top_k=3),
-                               torch.Generator().manual_seed(5)))]
+    others = [(lg(1), SamplingParams(temperature=1.0), None), (lg(2), SamplingParams(temperature=0.0), None),
+              (lg(3), SamplingParams(temperature=1.3, top_k=3), 5)]
     for pos in range(4):
         rows = others[:pos] + [row(42)] + others[pos:]
-        assert _run_steps(Sampler(torch.device("cpu"), seed=pos), rows, steps)[pos] == alone, f"row at {pos}"
-    assert _run_steps(Sampler(torch.device("cpu")), [row(43)], steps)[0] != alone
+        assert _run_steps(Sampler(CPU, seed=pos), rows, steps)[pos] == alone, f"row at {pos}"
+    assert _run_steps(Sampler(CPU), [row(43)], steps)[0] != alone
 
 
 def _filter_ref(z_V: torch.Tensor, k: int, p: float) -> torch.Tensor:
@@ -307,9 +313,7 @@ def test_sequence_logprobs_matches_the_sampler_in_a_mixed_batch():
     gen = torch.Generator().manual_seed(13)
     rows = [(SamplingParams(**kw), scale) for kw, scale in MIXED for _ in range(reps)]
     logits = torch.stack([torch.randn(V, generator=gen) * scale for _, scale in rows])
-    seqs = [Sequence("r", i, [0], p, None) for i, (p, _) in enumerate(rows)]
-    tokens, logprobs = Sampler(torch.device("cpu"), seed=1)(logits, seqs)
-    tokens, logprobs = torch.tensor(tokens), torch.tensor(logprobs, dtype=torch.float32)
+    tokens, logprobs = Sampler(CPU, seed=1)(logits, make_sampling_batch([p for p, _ in rows], vocab_size=V))
     for c, (kw, _) in enumerate(MIXED):  # one learner call per config, over its `reps` rows
         r = slice(c * reps, (c + 1) * reps)
         p = rows[c * reps][0]
@@ -369,3 +373,81 @@ def test_invalid_logprobs_mode_raises():
         SamplingParams(logprobs_mode="filtered")
     with pytest.raises(ValueError, match="mode.*raw.*processed"):
         sequence_logprobs(torch.randn(2, 5), torch.tensor([0, 1]), temperature=1.0, mode="filtered")
+
+
+# ---- the two-level exponential race and its noise ------------------------------------------------
+# chunk size S / chunks: 7 -> 1 x 7 (one level), 50 -> 2 x 25, 97 (prime) -> 8 x 13 padded by 7, 256 -> 16 x 16
+@pytest.mark.parametrize("V,S", [(7, 1), (50, 2), (97, 8), (256, 16)])
+def test_race_matches_softmax_for_any_vocabulary(V, S):
+    """Chi-square of the race against softmax, vocabularies that are and are not a multiple of the chunk."""
+    assert chunking(V)[0] == S and chunking(151936) == (128, 1187)  # Qwen3's vocabulary: no padding
+    S, nc = chunking(V)
+    assert nc * S >= V > (nc - 1) * S
+    logits = _logits(V, seed=V, scale=2.0)
+    tokens, _ = _draw(logits, SamplingParams(temperature=1.0))
+    _assert_matches(tokens, logits.softmax(-1))
+
+
+def test_race_with_mass_in_one_chunk_and_excluded_neighbours():
+    """Every kept token in one chunk, its neighbours excluded (-inf, as filtering leaves them): the chunk
+    level must pick that chunk every time and never an excluded token, at any probability ratio."""
+    V = 64
+    S, _ = chunking(V)
+    logits = torch.full((V,), float("-inf"))
+    logits[S + 1:S + 4] = torch.tensor([0.0, 3.0, -2.0])  # inside chunk 1 only
+    logits[0] = -30.0                                     # tiny but nonzero mass in chunk 0
+    tokens, logprobs = _draw(logits, SamplingParams(temperature=1.0))
+    _assert_matches(tokens, logits.softmax(-1))
+    assert torch.isfinite(logprobs).all()
+
+
+def test_seeded_race_matches_softmax():
+    """The hashed exponentials (one seed per draw, as seeded requests use) sample the target too."""
+    logits = _logits(50, seed=21)
+    tokens, _ = _draw(logits, SamplingParams(temperature=0.8, seed=0), seeds=range(N_DRAWS))
+    _assert_matches(tokens, (logits / 0.8).softmax(-1))
+
+
+def test_chi_square_catches_a_wrong_chunk_level(monkeypatch):
+    """Negative control for the race: choosing the chunk by its largest logit instead of its mass (a
+    plausible bug) skews the draw, and the chi-square check must see it."""
+    logits = _logits(64, seed=22)
+    monkeypatch.setattr(sampler_mod, "chunk_log_mass", lambda x: x.amax(dim=-1))
+    tokens, _ = _draw(logits, SamplingParams(temperature=1.0))
+    with pytest.raises(AssertionError, match="chi2="):
+        _assert_matches(tokens, logits.softmax(-1))
+
+
+def test_hashed_exponentials_are_unit_exponential():
+    """Mean 1 and variance 1 to 5 sigma, and u = exp(-E) uniform in 16 bins (chi-square), over 2000 keys."""
+    keys = torch.from_numpy(draw_keys(np.arange(2000, dtype=np.uint64), np.zeros(2000, np.int64)).view(np.int64))
+    e = hashed_exponentials(keys, 64).double()
+    n = e.numel()
+    assert (e > 0).all() and torch.isfinite(e).all()
+    assert abs(e.mean().item() - 1) < 5 / math.sqrt(n)
+    assert abs(e.var().item() - 1) < 5 * math.sqrt(8 / n)  # Var of the sample variance of Exp(1): 8 / n
+    counts = torch.histc((-e).exp(), bins=16, min=0, max=1)
+    expected = n / 16
+    assert ((counts - expected) ** 2 / expected).sum().item() < chi2_critical(15)
+    # another position of the same keys gives other numbers (draws are not reused across steps)
+    keys1 = torch.from_numpy(draw_keys(np.arange(2000, dtype=np.uint64), np.ones(2000, np.int64)).view(np.int64))
+    assert (hashed_exponentials(keys1, 64) != hashed_exponentials(keys, 64)).float().mean() > 0.99
+
+
+def test_draw_keys_are_splitmix64_of_seed_and_position():
+    seeds = [0, 1, 42, 2**63 + 5, 2**64 - 1]
+    for pos in (0, 1, 1000):
+        got = draw_keys(np.array(seeds, dtype=np.uint64), np.full(len(seeds), pos, np.int64)).tolist()
+        assert got == [splitmix64((s + pos * 0x9E3779B97F4A7C15) % 2**64) for s in seeds]
+
+
+def test_sample_seed_is_a_stable_hash():
+    """sample_seed(s, 0) = s; no collisions over a grid of seeds and indices (seed + i would collide
+    everywhere: seed s sample 1 == seed s+1 sample 0); fixed values, the same in every process."""
+    assert sample_seed(7, 0) == 7
+    grid = {sample_seed(s, i) for s in range(100) for i in range(100)}
+    assert len(grid) == 100 * 100
+    assert sample_seed(0, 1) != 1 and sample_seed(5, 1) != sample_seed(6, 0)
+    assert [sample_seed(0, 1), sample_seed(1, 2), sample_seed(-1, 3)] == SAMPLE_SEED_VALUES
+    with pytest.raises(ValueError, match="index"):
+        sample_seed(0, -1)

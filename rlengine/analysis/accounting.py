@@ -4,6 +4,9 @@ Each run that reached the target J* contributes (batch, N*, T). Against a refere
 r_N = N*/N*_ref (samples-to-target penalty), q = N*/T (end-to-end throughput), q/q_ref, and the
 normalised time T/T_ref = r_N / (q/q_ref). A larger batch wins exactly when q2/q1 > r_N. Units
 are the caller's (Table 1 uses thousands of responses and hours); only ratios are reported.
+Where N* and T come from: `first_crossing` reads N* off a learning curve (J linearly interpolated
+between evaluations) and `value_at` reads the wall-clock T at that N* off the same run's clock;
+`best_q_over_r` is Algorithm 1's choice rule (maximise q / r_N among feasible rows).
 """
 
 from __future__ import annotations
@@ -80,3 +83,50 @@ def best_configuration(rows: Sequence[TargetRow]) -> TargetRow:
     if not rows:
         raise ValueError("best_configuration: no rows given")
     return min(rows, key=lambda row: row.run.t)
+
+
+def first_crossing(n: Sequence[float], j: Sequence[float], target: float) -> float | None:
+    """N*: the first N at which J reaches `target`, J linearly interpolated between evaluations.
+
+    n [E] nondecreasing evaluation points (N at each evaluation), j [E] the scores there. Returns
+    n[0] when the first evaluation already reaches the target and None when no evaluation does
+    (the run never reached J* within its budget: the caller reports it, it is not dropped).
+    """
+    if len(n) != len(j):
+        raise ValueError(f"first_crossing: {len(n)} N values but {len(j)} J values")
+    if any(b < a for a, b in zip(n, n[1:])):
+        raise ValueError("first_crossing: N must be nondecreasing")
+    for i, (x, y) in enumerate(zip(n, j)):
+        if y >= target:
+            if i == 0:
+                return float(x)
+            x0, y0 = n[i - 1], j[i - 1]
+            # y0 < target <= y here, so the denominator is > 0
+            return float(x0 + (target - y0) / (y - y0) * (x - x0))
+    return None
+
+
+def value_at(x: Sequence[float], y: Sequence[float], x0: float) -> float:
+    """y linearly interpolated at x0 (x [E] nondecreasing, x[0] <= x0 <= x[-1]); e.g. the cumulative
+    wall-clock of a run at its N*. Repeated x values take the first."""
+    if len(x) != len(y) or not x:
+        raise ValueError(f"value_at: needs equal, nonempty x and y, got {len(x)} and {len(y)} values")
+    if not x[0] <= x0 <= x[-1]:
+        raise ValueError(f"value_at: {x0} is outside [{x[0]}, {x[-1]}]")
+    for i in range(1, len(x)):
+        if x0 <= x[i]:
+            if x[i] == x[i - 1]:
+                return float(y[i - 1])
+            w = (x0 - x[i - 1]) / (x[i] - x[i - 1])
+            return float(y[i - 1] + w * (y[i] - y[i - 1]))
+    return float(y[0])
+
+
+def best_q_over_r(rows: Sequence[TargetRow], eligible: Sequence[str] | None = None) -> TargetRow:
+    """Algorithm 1's choice: the row maximising (q/q_ref) / r_N among `eligible` run names (all
+    rows when None). With q = N*/T this is the row with the smallest T, whichever row is the
+    reference; ties keep the first row."""
+    pool = [r for r in rows if eligible is None or r.run.name in eligible]
+    if not pool:
+        raise ValueError(f"best_q_over_r: no eligible rows among {[r.run.name for r in rows]}")
+    return max(pool, key=lambda r: r.q_ratio / r.r_n)

@@ -4,15 +4,16 @@ At small B_act a decode step is mostly kernel-launch and Python overhead (PAPER.
 latency-bound there), so the engine captures the model forward of a decode step once per
 batch bucket and replays it. The contract of a captured step:
 
-- Inputs live in fixed buffers: ids / positions / slots [3, max_bs] and the page tables
-  (indptr [max_bs+1], last_page_len [max_bs], indices [max_bs * max_pages_per_seq]). fill()
-  writes a step's values there before each replay: two host-to-device copies.
+- Inputs live in fixed buffers: a bucket's ForwardBatch is StepInputs.static_batch(bs), views of
+  the runner's device input buffer at the offsets a decode step padded to bs always uses, so the
+  step's ordinary prepare(batch, pad_to=bs) (the same one eager steps use) writes them.
 - A batch of B sequences runs in the smallest bucket >= B. Rows B..bucket-1 are padding: token
   0 at position 0, one page (the cache's null block) of one token, so their K/V writes land in
   the null block and touch no sequence's cache.
-- The attention backend's plan() runs outside the graph, on the bucket's static ForwardBatch.
-  Its host fields (context_lens, max_num_pages) are capture-time placeholders, so only a
-  backend whose decode reads nothing but device tensors may be captured (`graph_safe`).
+- The attention backend's plan() runs outside the graph, before every replay, on the bucket's
+  static ForwardBatch. Its host fields context_lens / max_num_pages are capture-time placeholders
+  (the host page tables kv_indptr_host / kv_last_page_len_host are live, for FlashInfer's plan),
+  so only a backend whose decode reads nothing but device tensors may be captured (`graph_safe`).
 - The graph ends at the final norm's hidden states [bs, C]: the LM head runs eagerly on the B
   real rows (no logits for padding rows, and no [bs, V] buffer kept alive per bucket), then
   sampling. MoE routing ids (when recorded) are graph outputs too.
@@ -27,14 +28,13 @@ Dimension legend: B sequences in the step, bs bucket size, C hidden, V vocab, L 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 
 from rlengine.engine.attention import AttentionBackend
-from rlengine.engine.kv_cache import KVCache
-from rlengine.engine.model_runner import decode_tokens, page_tables
-from rlengine.engine.sequence import Sequence
+from rlengine.engine.step_inputs import StepInputs
 from rlengine.model.moe import engine_routing, recorded_routing
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.types import ForwardBatch
@@ -102,28 +102,22 @@ def unsupported_reason(model: Qwen3ForCausalLM, backend: AttentionBackend) -> st
 
 
 class DecodeGraphs:
-    """Per-bucket captured decode forwards over fixed input buffers; captured lazily on first use."""
+    """Per-bucket captured decode forwards over the runner's input buffers; captured lazily on first use."""
 
-    def __init__(self, model: Qwen3ForCausalLM, backend: AttentionBackend, kv_cache: KVCache, *,
-                 max_bs: int, max_pages_per_seq: int, record_routing: bool = False,
-                 sizes: list[int] | None = None, graph_cls: type = CudaGraph):
+    def __init__(self, model: Qwen3ForCausalLM, backend: AttentionBackend, inputs: StepInputs, *,
+                 max_bs: int, record_routing: bool = False, sizes: list[int] | None = None,
+                 graph_cls: type = CudaGraph):
         reason = unsupported_reason(model, backend)
         if reason:
             raise ValueError(f"decode CUDA graphs: {reason}")
         self.sizes = sorted(set(sizes)) if sizes else bucket_sizes(max_bs)
         if self.sizes[0] < 1 or self.sizes[-1] > max_bs:
             raise ValueError(f"decode CUDA graph sizes must lie in [1, max_num_seqs={max_bs}], got {self.sizes}")
-        self.model, self.backend = model, backend
-        self.max_bs, self.max_pages = self.sizes[-1], max_pages_per_seq
+        self.model, self.backend, self.inputs = model, backend, inputs
         self.record_routing = record_routing
         self.moe_blocks = model.moe_blocks()
         self.graph_cls = graph_cls
         self.pool = torch.cuda.graph_pool_handle() if graph_cls is CudaGraph else None
-        self.null_block, self.P = kv_cache.null_block, kv_cache.block_size
-        device = model.device
-        n = self.max_bs
-        self.i64 = torch.zeros(3, n, dtype=torch.int64, device=device)            # ids | positions | slots
-        self.i32 = torch.zeros(2 * n + 1 + n * max_pages_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, object] = {}
         self.batches: dict[int, ForwardBatch] = {}
         self.num_replays = 0
@@ -135,38 +129,6 @@ class DecodeGraphs:
                 return bs
         return None
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
-        n = self.max_bs
-        return ForwardBatch(
-            kind="decode", input_ids=self.i64[0, :bs], positions=self.i64[1, :bs], slot_mapping=self.i64[2, :bs],
-            qo_indptr=list(range(bs + 1)), kv_indptr=self.i32[:bs + 1], kv_last_page_len=self.i32[n + 1:n + 1 + bs],
-            kv_indices=self.i32[2 * n + 1:], context_lens=[1] * bs, logits_indices=None,
-            max_num_pages=self.max_pages, static=True,
-        )
-
-    def fill(self, seqs: list[Sequence], bs: int) -> None:
-        """Write one decode step of `seqs` into the buffers, padded to bucket bs with null-block rows."""
-        P, null, n = self.P, self.null_block, self.max_bs
-        ids, positions, slots = decode_tokens(seqs, P)
-        indptr, indices, last_len = page_tables(seqs, P)
-        longest = max((b - a for a, b in zip(indptr, indptr[1:])), default=0)
-        if longest > self.max_pages:
-            raise ValueError(f"a sequence needs {longest} pages, more than the {self.max_pages} a decode graph "
-                             "was sized for")
-        pad = bs - len(seqs)
-        ids += [0] * pad
-        positions += [0] * pad
-        slots += [null * P] * pad
-        indices += [null] * pad
-        indptr += range(indptr[-1] + 1, indptr[-1] + pad + 1)
-        last_len += [1] * pad
-        rest = n - bs
-        i64 = torch.tensor([ids + [0] * rest, positions + [0] * rest, slots + [0] * rest], dtype=torch.int64)
-        i32 = torch.tensor(indptr + [0] * rest + last_len + [0] * rest + indices, dtype=torch.int32)
-        non_blocking = self.i64.device.type == "cuda"
-        self.i64.copy_(i64, non_blocking=non_blocking)
-        self.i32[:i32.numel()].copy_(i32, non_blocking=non_blocking)
-
     def _forward(self, fb: ForwardBatch) -> GraphOutput:
         hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend, fast=True)
         ids = recorded_routing(self.moe_blocks) if self.record_routing else None
@@ -177,8 +139,8 @@ class DecodeGraphs:
         """Capture the decode forward for bucket bs (its buffers filled with padding rows only)."""
         if bs in self.graphs:
             return
-        self.fill([], bs)
-        fb = self._static_batch(bs)
+        self.inputs.fill_padding(bs)
+        fb = self.inputs.static_batch(bs)
         engine_routing(self.moe_blocks, self.record_routing)
         self.backend.plan(fb)
         graph = self.graph_cls(self.pool)
@@ -190,17 +152,14 @@ class DecodeGraphs:
         for bs in reversed(self.sizes):
             self.capture(bs)
 
-    def run(self, seqs: list[Sequence]) -> GraphOutput | None:
-        """One decode step -> (hidden [B, C], routing ids [B, L, K] or None), or None when B is larger
-        than every bucket (the caller then runs the step eagerly)."""
-        B = len(seqs)
-        bs = self.bucket(B)
-        if bs is None:
-            return None
-        self.capture(bs)
-        self.fill(seqs, bs)
+    def replay(self, bs: int, prepared: ForwardBatch) -> GraphOutput:
+        """Replay bucket bs on what prepare(batch, pad_to=bs) wrote (`prepared`, its batch) -> (hidden
+        [bs, C], routing ids [bs, L, K] or None). The bucket must be captured (capture() rewrites the
+        buffers, so the runner captures before preparing). plan() sees the static batch with the
+        prepared batch's live host page tables (the staging buffer the step wrote)."""
         engine_routing(self.moe_blocks, self.record_routing)  # read again only by StaticReplay
-        self.backend.plan(self.batches[bs])
-        hidden, ids = self.graphs[bs].replay()
+        self.backend.plan(dataclasses.replace(self.batches[bs], kv_indptr_host=prepared.kv_indptr_host,
+                                              kv_last_page_len_host=prepared.kv_last_page_len_host))
+        out = self.graphs[bs].replay()
         self.num_replays += 1
-        return hidden[:B], None if ids is None else ids[:B]
+        return out

@@ -6,13 +6,18 @@ m_KV: bytes per block = 2 * L * P * Hkv * D * element size.
 One extra block, `null_block` (the last index), is allocated beyond the block manager's
 num_blocks: padding rows of a CUDA-graph decode bucket write their K/V there, so they never
 touch a sequence's cache.
+A KVPool is a cache plus the free list / reference counts of its blocks (BlockPool): engines
+on one device share it (LLM(kv_pool=...)), so the eval engine never allocates a second cache.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlengine.config import ModelConfig
+from rlengine.engine.block_manager import BlockPool
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -36,10 +41,16 @@ class KVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """data[:, :, dst] = data[:, :, src] for every (src, dst): copy-on-write of shared blocks."""
-        if not pairs:
-            return
-        src = torch.tensor([p[0] for p in pairs], device=self.data.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self.data.device)
-        self.data[:, :, dst] = self.data[:, :, src]
+    def copy_blocks(self, src_C: torch.Tensor, dst_C: torch.Tensor) -> None:
+        """data[:, :, dst] = data[:, :, src] for block ids src, dst [C] int64 on the cache's device:
+        the step's copy-on-write of shared blocks, in place, one indexed copy for every layer (no sync:
+        index_select + index_copy_ with device indices)."""
+        self.data.index_copy_(2, dst_C, self.data.index_select(2, src_C))
+
+
+@dataclass(frozen=True, slots=True)
+class KVPool:
+    """A KV cache and its blocks' free list and reference counts: what engines sharing memory share."""
+
+    cache: KVCache
+    blocks: BlockPool

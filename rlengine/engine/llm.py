@@ -8,7 +8,19 @@ When given an nn.Module, the engine decodes with that module's own parameters: n
 made, so a learner's optimizer step is visible at the next decode step. `weight_version`
 is bumped by the learner and stamped on every generated token (policy lag).
 Step-level API for streaming RL loops: add_request / step / has_unfinished / abort_request.
-engine.step() is the usual three lines: schedule, run, postprocess.
+engine.step() is the usual three lines: schedule, run (one host read per step), postprocess.
+LLM(async_scheduling=True) overlaps the host with the device: step t+1 is scheduled, prepared and
+launched before step t's tokens are read (its inputs that step t is still sampling are gathered on
+the device), and step t is postprocessed while t+1 runs. A sequence that stops at step t has run
+one step too many, whose token is dropped; length limits are known in advance and never overrun.
+Opt-in until a GPU run has measured it (it gives nothing on a CPU, where a launch runs to the end).
+StepRecord.seconds: in the synchronous engine a step's own wall time; with overlap, the time from
+the later of its launch and the previous step's read to its own read, so a run's records still add
+up to its wall-clock generation time (the asymmetry fits rely on that).
+Engines on one device share one KV pool: LLM(model, kv_pool=other.kv_pool) decodes in the other
+engine's cache and blocks (the trainer's eval engine), never allocating a second cache. For a
+training run, size the pool with rlengine.analysis.memory_plan (num_kv_blocks=plan.num_kv_blocks):
+alone, an LLM on a GPU takes 0.8 x the free device memory.
 On a GPU, decode steps replay CUDA graphs captured per batch bucket (cuda_graph.py) unless
 enforce_eager=True or the backend / MoE implementation cannot be captured; `cuda_graphs_off`
 says why they are off.
@@ -19,25 +31,40 @@ from __future__ import annotations
 import itertools
 import operator
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rlengine.config import DTYPES
 from rlengine.engine.attention import resolve_backend
-from rlengine.engine.block_manager import BlockManager
+from rlengine.engine.block_manager import BlockManager, BlockPool
 from rlengine.engine.cuda_graph import CudaGraph, DecodeGraphs, unsupported_reason
-from rlengine.engine.kv_cache import KVCache, bytes_per_block
-from rlengine.engine.model_runner import ModelRunner
+from rlengine.engine.kv_cache import KVCache, KVPool, bytes_per_block
+from rlengine.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
 from rlengine.engine.outputs import GenerateResult, RequestOutput, RequestState
 from rlengine.engine.sampler import Sampler
-from rlengine.engine.sampling_params import SamplingParams
-from rlengine.engine.scheduler import Scheduler
-from rlengine.engine.sequence import Sequence
+from rlengine.engine.sampling_params import SamplingParams, sample_seed
+from rlengine.engine.scheduler import ScheduledBatch, Scheduler
+from rlengine.engine.sequence import Sequence, SequenceStatus
+from rlengine.engine.step_inputs import StepInputs
 from rlengine.model.factory import build_model
 from rlengine.model.qwen3 import Qwen3ForCausalLM
+from rlengine.telemetry.nvtx import PhaseRanges
 from rlengine.telemetry.records import StepRecord
 
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
+PENDING = -1  # overlap: token_ids placeholder of a token still being sampled (never a real token id)
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A launched step and what its postprocess and record need."""
+
+    step: LaunchedStep
+    version: int          # weight version the step samples with
+    num_tokens: int       # StepRecord.tokens
+    started: float        # perf_counter() when the step() that launched it began
 
 
 def _as_dtype(dtype) -> torch.dtype | None:
@@ -72,10 +99,10 @@ def _token_ids(prompt, where: str) -> list[int]:
 class LLM:
     def __init__(self, model: str | Qwen3ForCausalLM, *, dtype: str | torch.dtype | None = None, device=None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, kv_pool: KVPool | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto", seed: int = 0,
                  moe_impl: str = "ref", record_routing: bool = False, enforce_eager: bool = False,
-                 cuda_graph_sizes: list[int] | None = None):
+                 cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False):
         self.model = _build_model(model, _as_dtype(dtype), device, moe_impl)
         cfg = self.model.config
         self.config = cfg
@@ -92,29 +119,39 @@ class LLM:
         if self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len}): a preempted sequence is recomputed in one prefill step")
-        kv_dtype = self.model.dtype
-        per_block = bytes_per_block(cfg, block_size, kv_dtype)
-        if num_kv_blocks is None:
-            num_kv_blocks = self._default_num_blocks(kv_cache_memory, per_block, max_num_seqs, block_size)
-        if num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
-        self.kv_cache = KVCache(cfg, num_kv_blocks, block_size, kv_dtype, self.device)
+        if kv_pool is not None and (num_kv_blocks is not None or kv_cache_memory is not None):
+            raise ValueError("kv_pool: a shared pool keeps its own size; drop num_kv_blocks / kv_cache_memory")
+        self.kv_pool = kv_pool or self._new_kv_pool(num_kv_blocks, kv_cache_memory, max_num_seqs, block_size)
+        self._check_pool(self.kv_pool, block_size)
+        self.kv_cache = self.kv_pool.cache
         backend_cls = resolve_backend(attention_backend, self.device)
         self.backend = backend_cls(self.kv_cache, cfg.num_attention_heads, cfg.head_dim, max_num_seqs)
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        max_pages = -(-self.max_model_len // block_size)
+        self.block_manager = BlockManager(0, block_size, max_seqs=max_num_seqs, max_pages_per_seq=max_pages,
+                                          pool=self.kv_pool.blocks)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.backend, Sampler(self.device, seed), block_size,
-                                  record_routing and cfg.is_moe)
+        inputs = StepInputs(self.block_manager, self.device, max_num_seqs=max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, max_pages_per_seq=max_pages,
+                            null_block=self.kv_cache.null_block, vocab_size=cfg.vocab_size,
+                            overlap=async_scheduling)
+        self.runner = ModelRunner(self.model, self.backend, Sampler(self.device, seed), self.kv_cache, inputs,
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                                  record_routing=record_routing and cfg.is_moe)
         self.max_num_seqs, self.block_size = max_num_seqs, block_size
-        self.eos_ids = set(cfg.eos_token_ids)
+        self.eos_ids = frozenset(cfg.eos_token_ids)
         self.weight_version = 0
         # Optional phase listener (e.g. telemetry.NvmlSampler): set_phase(kind) per step, an attribute write.
         self.phase_listener = None
+        # engine.* NVTX / profiler ranges (telemetry/nvtx.py): on for a CUDA device, inert on a CPU
+        self.ranges = self.runner.ranges = PhaseRanges.for_device(self.device)
         self._stashed: list[RequestOutput] = []  # outputs of other requests that finished inside generate()
         self.trace: list[StepRecord] = []
         self.requests: dict[str, RequestState] = {}
         self._request_ids = itertools.count()
+        self.async_scheduling = async_scheduling
+        self._in_flight: _Launched | None = None  # overlap: the launched, unread step
+        self._last_read = 0.0  # perf_counter() of the last read (step records start no earlier)
         if enforce_eager:
             self.cuda_graphs_off = "enforce_eager=True"
         elif self.device.type != "cuda":
@@ -124,13 +161,30 @@ class LLM:
         if self.cuda_graphs_off is None:
             self._use_decode_graphs(CudaGraph, cuda_graph_sizes)
 
+    def _new_kv_pool(self, num_kv_blocks, kv_cache_memory, max_num_seqs, block_size) -> KVPool:
+        per_block = bytes_per_block(self.config, block_size, self.model.dtype)
+        if num_kv_blocks is None:
+            num_kv_blocks = self._default_num_blocks(kv_cache_memory, per_block, max_num_seqs, block_size)
+        if num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        cache = KVCache(self.config, num_kv_blocks, block_size, self.model.dtype, self.device)
+        return KVPool(cache, BlockPool(num_kv_blocks))
+
+    def _check_pool(self, pool: KVPool, block_size: int) -> None:
+        """A shared pool must be laid out for this model: same block size, dtype, device and K/V shape."""
+        c, cfg = pool.cache, self.config
+        want = (cfg.num_hidden_layers, 2, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        got = (c.data.shape[0], c.data.shape[1], c.data.shape[3], c.data.shape[4], c.data.shape[5])
+        if got != want or c.data.dtype != self.model.dtype or c.data.device != self.device:
+            raise ValueError(f"kv_pool: the cache is [L, 2, P, Hkv, D] = {list(got)} {c.data.dtype} on "
+                             f"{c.data.device}, this engine needs {list(want)} {self.model.dtype} on {self.device}")
+
     def _use_decode_graphs(self, graph_cls: type, sizes: list[int] | None = None) -> DecodeGraphs:
         """Route decode steps that fit a bucket through captured graphs (graph_cls: CudaGraph, or
         cuda_graph.StaticReplay to exercise the same path on a CPU)."""
         self.runner.graphs = DecodeGraphs(
-            self.model, self.backend, self.kv_cache, max_bs=self.max_num_seqs,
-            max_pages_per_seq=-(-self.max_model_len // self.block_size), record_routing=self.runner.record_routing,
-            sizes=sizes, graph_cls=graph_cls)
+            self.model, self.backend, self.runner.inputs, max_bs=self.max_num_seqs,
+            record_routing=self.runner.record_routing, sizes=sizes, graph_cls=graph_cls)
         self.cuda_graphs_off = None
         return self.runner.graphs
 
@@ -179,22 +233,23 @@ class LLM:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue one request (n samples); raises ValueError for bad input without touching other requests."""
+        """Queue one request (n samples); raises ValueError for bad input without touching other requests.
+
+        Sample i of a request with a seed draws with sample_seed(seed, i) (sampling_params.py).
+        """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_ids))
         prompt = _token_ids(prompt_token_ids, f"request {request_id}")
         self._validate(prompt, params, f"request {request_id}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seqs = []
-        for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
-            seqs.append(Sequence(request_id, i, prompt, params, gen))
-        seqs[0].fork_children = seqs[1:]
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        max_len = min(len(prompt) + params.max_tokens, self.max_model_len)
+        seqs = [Sequence(request_id, i, prompt, params, stop_ids=stop, max_len=max_len,
+                         seed_key=None if params.seed is None else sample_seed(params.seed, i))
+                for i in range(params.n)]
         self.requests[request_id] = RequestState(request_id, prompt, seqs)
-        self.scheduler.add(seqs[0])
+        self.scheduler.add(seqs)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -203,61 +258,106 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         """True while requests run or finished outputs wait to be returned by step()."""
-        return self.scheduler.has_work or bool(self._stashed)
+        return self.scheduler.has_work or bool(self._stashed) or self._in_flight is not None
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it.
 
-        The step's record times all of it: schedule, copy-on-write, forward + sampling (which
-        ends with a host read of the tokens, so the device is synced) and postprocess.
+        Synchronous: schedule, launch (prepare, forward, sampling), read (the step's one host read of
+        the sampled tokens, so the device is synced) and postprocess; the step's record times all of
+        it. With async_scheduling: schedule and launch the next step, then read and postprocess the
+        one launched before it (see the module docstring for what its record times).
         """
         t0 = time.perf_counter()
         stashed, self._stashed = self._stashed, []
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
+        with self.ranges("engine.schedule"):
+            batch = self.scheduler.schedule()  # overlap: lengths count the tokens in flight
+        prev, self._in_flight = self._in_flight, None
+        if batch.seqs:
+            launched = self._launch(batch, prev, t0)
+            if not self.async_scheduling:
+                return stashed + self._complete(launched)
+            self._in_flight = launched
+        elif prev is None:
+            self._check_stall()
             return stashed
+        return stashed + (self._complete(prev) if prev is not None else [])
+
+    def _check_stall(self) -> None:
+        """Nothing could be scheduled although requests wait: the shared pool's blocks are held elsewhere."""
+        sched, bm = self.scheduler, self.block_manager
+        if sched.waiting and not sched.running:
+            need = bm.blocks_for(len(sched.waiting[0][0]))
+            raise RuntimeError(f"KV pool exhausted: the next request needs {need} KV blocks, {bm.num_free} of "
+                               f"{bm.num_blocks} are free and this engine holds none; the rest are held by another "
+                               "engine sharing the pool (LLM(kv_pool=...)): finish or abort its requests first")
+
+    def _launch(self, batch: ScheduledBatch, prev: _Launched | None, started: float) -> _Launched:
+        """Queue the batch on the device. Overlap: each sample gets a PENDING placeholder for its token,
+        so the next schedule() sees its length."""
         if self.phase_listener is not None:
             self.phase_listener.set_phase(batch.kind)
-        self.kv_cache.copy_blocks(batch.copies)
-        seqs, tokens, logprobs = self.runner.run(batch)
-        prefill = batch.kind == "prefill"
-        b_act = len(batch.seqs)
-        num_tokens = sum(len(s) for s in batch.seqs) if prefill else b_act
-        outputs = stashed + self._postprocess(batch, seqs, tokens, logprobs)
+        num_tokens = sum(len(s.token_ids) for s in batch.seqs) if batch.kind == "prefill" else len(batch.seqs)
+        step = self.runner.launch(batch, None if prev is None else prev.step)
+        if self.async_scheduling:
+            for seq in batch.samples:
+                seq.token_ids.append(PENDING)
+        return _Launched(step, self.weight_version, num_tokens, started)
+
+    def _complete(self, launched: _Launched) -> list[RequestOutput]:
+        """Read a launched step (the one wait), postprocess it and record it."""
+        batch = launched.step.batch
+        live = None
+        if self.async_scheduling:  # samples preempted or finished since the launch no longer own their rows
+            live = np.fromiter((s.row for s in batch.samples), np.int64, len(batch.samples))
+            live = live == launched.step.prep.sample_rows
+        out = self.runner.read(launched.step, live)
+        with self.ranges("engine.postprocess"):
+            outputs = self._postprocess(batch, out, launched.version)
+        now = time.perf_counter()
         # forked siblings sample from their leader's prefill too
-        self.trace.append(StepRecord(batch.kind, b_act, num_tokens, time.perf_counter() - t0,
-                                     len(seqs) if prefill else 0))
+        self.trace.append(StepRecord(batch.kind, len(batch.seqs), launched.num_tokens,
+                                     now - max(launched.started, self._last_read),
+                                     len(batch.samples) if batch.kind == "prefill" else 0))
+        self._last_read = now
         return outputs
 
-    def _postprocess(self, batch, seqs, tokens, logprobs) -> list[RequestOutput]:
-        if batch.kind == "prefill":
-            for leader in batch.seqs:
-                self.scheduler.after_prefill(leader, leader.fork_children)
-                leader.fork_children = []
+    def _postprocess(self, batch: ScheduledBatch, out: StepOutput, version: int) -> list[RequestOutput]:
+        """Each sample takes its token (overlap: in place of its placeholder); finished samples leave
+        the running set and their blocks return."""
         done: dict[str, RequestState] = {}
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            seq.num_cached_tokens = len(seq)
-            seq.append(token, logprob, self.weight_version)
-            reason = self._finish_reason(seq, token)
-            if reason:
-                self.scheduler.finish(seq, reason)
+        finished, pending = SequenceStatus.FINISHED, PENDING  # locals: this loop runs B times per step
+        for seq, token, logprob in zip(batch.samples, out.tokens, out.logprobs):
+            if seq.status is finished:
+                continue  # aborted, or (overlap) stopped at the step before: this token is past its end
+            ids = seq.token_ids
+            if ids[-1] != pending:
+                ids.append(token)
+                at = len(ids) - 1
+            else:  # overlap: the step launched after this one may have appended a placeholder too
+                at = len(ids) - 2 if ids[-2] == pending else len(ids) - 1
+                ids[at] = token
+            seq.logprobs.append(logprob)
+            seq.versions.append(version)
+            stop = token in seq.stop_ids
+            if stop or at + 1 >= seq.max_len:
+                del ids[at + 1:]  # overlap: the placeholder of a step launched past the stop
+                self.scheduler.finish(seq, "stop" if stop else "length")
                 state = self.requests[seq.request_id]
                 if state.finished:
                     done[seq.request_id] = state
+        if out.routing is not None:
+            for seq, rows in zip(batch.samples, out.routing):
+                if batch.kind == "prefill":
+                    seq.routing_ids = [rows]  # a recompute replaces what the preempted run recorded
+                else:
+                    seq.routing_ids.append(rows)
         outputs = []
         for rid, state in done.items():
             outputs.append(state.output())
             del self.requests[rid]
         return outputs
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
 
     # ---- batch API ---------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]],

@@ -1,132 +1,178 @@
-"""ModelRunner: turns a ScheduledBatch into a ForwardBatch, runs the shared model, samples.
+"""ModelRunner: runs one ScheduledBatch through the shared model and samples; one host read per step.
 
-prepare() builds input_ids / positions / slot_mapping and the FlashInfer-style page tables
-on the host and moves them to the device once; the attention backend plan()s on them once;
-the model forward then calls backend.attend() per layer. Only the last token of each
-sequence reaches the LM head. A prefill leader with forked siblings gets one logits row per
-sibling (the same row), each sampled with its own generator. With `graphs` set (a
-cuda_graph.DecodeGraphs), decode steps that fit a bucket replay a captured forward instead.
-Dimension legend: T tokens in the step, B sequences, V vocab.
+launch() = prepare (step_inputs.StepInputs: the step's inputs from the persistent per-row state,
+one non_blocking copy to the device), copy-on-write block copies, the attention backend's plan(),
+the forward (eager, or a CUDA-graph replay when `graphs` is set and the decode batch fits a
+bucket: both read the same input buffers), the LM head on each sequence's last token, the sampler,
+and the packing of the sampled tokens, their log-probs and (when recorded) the MoE routing ids into
+one int32 buffer whose copy to the host is queued behind them. read() waits for that copy: the
+step's ONE device-to-host read; nothing else in a decode step reads the device
+(tests/test_engine_host_reads.py counts it, tests/test_engine_gpu.py runs under sync-debug mode).
+run() = read(launch()). With overlap (LLM(async_scheduling=True)) the LLM launches step t+1 before
+reading step t: inputs whose token step t is still sampling are gathered on the device from step
+t's token tensor, and the output buffers alternate so step t+1 cannot overwrite step t's.
+Dimension legend: T tokens in the step, B sequences, N samples, V vocab, L MoE layers, K top-k.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from rlengine.engine.attention import AttentionBackend
+from rlengine.engine.kv_cache import KVCache
 from rlengine.engine.sampler import Sampler
 from rlengine.engine.scheduler import ScheduledBatch
-from rlengine.engine.sequence import Sequence
+from rlengine.engine.step_inputs import PreparedStep, StepInputs
 from rlengine.model.moe import engine_routing, recorded_routing
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.types import ForwardBatch
+from rlengine.telemetry.nvtx import PhaseRanges
 
 
-def decode_tokens(seqs: list[Sequence], P: int) -> tuple[list[int], list[int], list[int]]:
-    """A decode step's inputs: each sequence's last token, its position and the KV slot it writes."""
-    ids = [seq.token_ids[-1] for seq in seqs]
-    positions = [len(seq) - 1 for seq in seqs]
-    slots = [seq.block_table[pos // P] * P + pos % P for seq, pos in zip(seqs, positions)]
-    return ids, positions, slots
+@dataclass(slots=True)
+class StepOutput:
+    """One step's results on the host, in batch.samples order (from the step's one device read)."""
+
+    tokens: list[int]                     # [N] sampled token ids
+    logprobs: list[float]                 # [N] their log-probs (SamplingParams.logprobs_mode)
+    routing: list[np.ndarray] | None      # [N] expert ids [tokens of the sample's row, L, K] int32, or None
 
 
-def page_tables(seqs: list[Sequence], P: int) -> tuple[list[int], list[int], list[int]]:
-    """FlashInfer CSR page tables of `seqs` at their current lengths: indptr [B+1], indices, last_page_len [B]."""
-    indptr, indices, last_len = [0], [], []
-    for seq in seqs:
-        n = len(seq)
-        pages = (n + P - 1) // P
-        indices.extend(seq.block_table[:pages])
-        indptr.append(len(indices))
-        last_len.append(n - (pages - 1) * P)
-    return indptr, indices, last_len
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose kernels and output copy are queued; read() returns its StepOutput."""
+
+    step_id: int                          # launch counter
+    batch: ScheduledBatch
+    prep: PreparedStep
+    tokens: torch.Tensor                  # [N] int64 sampled tokens on the device (the next step's inputs)
+    slot: int                             # output buffer it packed into
+    n: int                                # int32 words packed: 2N + routing
+    ids_shape: tuple[int, ...] | None     # [T, L, K] of the routing ids, or None
+    event: torch.cuda.Event | None        # recorded after the output copy (GPU)
+    launched_at: float                    # perf_counter() at launch
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, backend: AttentionBackend, sampler: Sampler, block_size: int,
-                 record_routing: bool = False):
-        self.model, self.backend, self.sampler = model, backend, sampler
-        self.block_size = block_size
+    def __init__(self, model: Qwen3ForCausalLM, backend: AttentionBackend, sampler: Sampler, kv_cache: KVCache,
+                 inputs: StepInputs, *, max_num_seqs: int, max_num_batched_tokens: int, record_routing: bool = False):
+        self.model, self.backend, self.sampler, self.kv_cache = model, backend, sampler, kv_cache
+        self.inputs = inputs
         self.device = model.device
         self.record_routing = record_routing
         self.moe_blocks = model.moe_blocks()
         self.graphs = None  # cuda_graph.DecodeGraphs, set by the LLM when decode graphs are on
-
-    def prepare(self, batch: ScheduledBatch) -> ForwardBatch:
-        """Host-side step metadata -> one ForwardBatch on the device.
-
-        Built with plain Python lists, then packed into two host tensors (int64: ids, positions,
-        slots, logits rows; int32: page tables) whose views are the batch's fields: two tensor
-        builds and two device copies per step.
-        """
-        P = self.block_size
-        decode = batch.kind == "decode"
-        if decode:
-            ids, positions, slots = decode_tokens(batch.seqs, P)
-            qo_indptr = list(range(len(ids) + 1))
-        else:
-            ids, positions, slots, qo_indptr = [], [], [], [0]
-            for seq in batch.seqs:
-                n, table = len(seq), seq.block_table
-                ids.extend(seq.token_ids)
-                positions.extend(range(n))
-                slots.extend(table[pos // P] * P + pos % P for pos in range(n))
-                qo_indptr.append(len(ids))
-        indptr, indices, last_len = page_tables(batch.seqs, P)
-        ctx = [len(seq) for seq in batch.seqs]
-        T, B = len(ids), len(ctx)
-        logits_rows = qo_indptr[1:] if not decode else []  # decode: every row is a last token
-        i64 = torch.tensor(ids + positions + slots + [i - 1 for i in logits_rows], dtype=torch.int64)
-        i32 = torch.tensor(indptr + last_len + indices, dtype=torch.int32)
-        if self.device.type != "cpu":
-            i64, i32 = i64.to(self.device, non_blocking=True), i32.to(self.device, non_blocking=True)
-        return ForwardBatch(
-            kind=batch.kind, input_ids=i64[:T], positions=i64[T:2 * T], slot_mapping=i64[2 * T:3 * T],
-            qo_indptr=qo_indptr, kv_indptr=i32[:B + 1], kv_indices=i32[2 * B + 1:],
-            kv_last_page_len=i32[B + 1:2 * B + 1], context_lens=ctx,
-            logits_indices=i64[3 * T:] if not decode else None,
-            max_num_pages=max(b - a for a, b in zip(indptr, indptr[1:])),
-        )
+        self.ranges = PhaseRanges()  # engine.prepare / forward / sample ranges (the LLM shares its own)
+        # The packed output buffer: tokens [N] | log-prob bits [N] | routing ids [T, L, K], int32; two
+        # slots under overlap (step t+1 packs while step t's copy may still be unread).
+        cfg = model.config
+        routing = max_num_batched_tokens * len(self.moe_blocks) * cfg.num_experts_per_tok if record_routing else 0
+        self._words = 2 * max_num_seqs + routing
+        slots = 2 if inputs.overlap else 1
+        cuda = self.device.type == "cuda"
+        self.out_dev = torch.zeros(slots * self._words, dtype=torch.int32, device=self.device)
+        self.out_host = torch.zeros(slots * self._words, dtype=torch.int32, pin_memory=True) if cuda else self.out_dev
+        self._out_host_np = self.out_host.numpy()
+        self._events = [torch.cuda.Event() for _ in range(slots)] if cuda else None
+        self._launches = 0
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], list[int], list[float]]:
-        """Forward + sample. Returns the sequences that receive a token (siblings included), tokens, log-probs."""
-        replayed = self.graphs.run(batch.seqs) if batch.kind == "decode" and self.graphs is not None else None
-        if replayed is not None:
-            hidden_BC, ids_BLK = replayed
-            logits_BV = self.model.compute_logits(hidden_BC)
-            if ids_BLK is not None:
-                self._store_routing(batch, ids_BLK.cpu(), list(range(len(batch.seqs) + 1)))
-            return batch.seqs, *self.sampler(logits_BV, batch.seqs)
-        fb = self.prepare(batch)
-        self.backend.plan(fb)
-        engine_routing(self.moe_blocks, self.record_routing)
-        hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend, fast=True)
-        if fb.logits_indices is not None:
-            hidden_TC = hidden_TC[fb.logits_indices]
-        logits_BV = self.model.compute_logits(hidden_TC)
-        if self.record_routing:
-            self._store_routing(batch, recorded_routing(self.moe_blocks).cpu(), fb.qo_indptr)
-        if batch.kind == "decode":
-            return batch.seqs, *self.sampler(logits_BV, batch.seqs)
-        rows, seqs = [], []
-        for i, seq in enumerate(batch.seqs):
-            group = [seq] + seq.fork_children
-            rows.extend([i] * len(group))
-            seqs.extend(group)
-        if len(rows) != len(batch.seqs):
-            logits_BV = logits_BV[torch.tensor(rows, device=logits_BV.device)]
-        tokens, logprobs = self.sampler(logits_BV, seqs)
-        return seqs, tokens, logprobs
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Forward + sample one step and read its outputs (the step's one host read)."""
+        return self.read(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue one step: inputs, forward, sampling and the copy of its outputs to the host; no host read.
+
+        prev: the step still in flight (overlap), whose sampled tokens some of this step's inputs are.
+        """
+        B = len(batch.seqs)
+        bs = self.graphs.bucket(B) if batch.kind == "decode" and self.graphs is not None else None
+        with self.ranges("engine.prepare"):
+            if bs is not None:
+                self.graphs.capture(bs)  # first use of the bucket: before prepare (capture rewrites the buffers)
+            prep = self.inputs.prepare(batch, pad_to=bs, prev_step=None if prev is None else prev.step_id)
+            fb = prep.fb
+            if prep.prev_index is not None:  # tokens step `prev` is sampling: gathered on the device
+                pi = prep.prev_index
+                ids = fb.input_ids[:B]
+                ids.copy_(torch.where(pi >= 0, prev.tokens[pi.clamp(min=0)], ids))
+            if prep.copies is not None:
+                self.kv_cache.copy_blocks(*prep.copies)
+            if bs is None:
+                self.backend.plan(fb)
+        with self.ranges("engine.forward"):
+            if bs is not None:
+                hidden_TC, ids_TLK = self.graphs.replay(bs, fb)
+                hidden_TC = hidden_TC[:B]
+                ids_TLK = None if ids_TLK is None else ids_TLK[:B]
+            else:
+                engine_routing(self.moe_blocks, self.record_routing)
+                hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend, fast=True)
+                ids_TLK = recorded_routing(self.moe_blocks) if self.record_routing else None
+                if fb.logits_indices is not None:
+                    hidden_TC = hidden_TC[fb.logits_indices]
+            logits_NV = self.model.compute_logits(hidden_TC)
+        with self.ranges("engine.sample"):
+            if prep.sb.logits_rows is not None:  # prefill: every member of a group samples its leader's row
+                logits_NV = logits_NV[prep.sb.logits_rows]
+            tokens_N, logprobs_N = self.sampler(logits_NV, prep.sb)
+            step = self._queue_outputs(batch, prep, tokens_N, logprobs_N, ids_TLK)
+        self.inputs.launched(prep, step.step_id if self.inputs.overlap else None)
+        return step
+
+    def _queue_outputs(self, batch, prep, tokens_N: torch.Tensor, logprobs_N: torch.Tensor,
+                       ids_TLK: torch.Tensor | None) -> LaunchedStep:
+        """Pack tokens, log-prob bits and routing ids into one int32 buffer; queue its copy to pinned memory."""
+        N = tokens_N.shape[0]
+        n = 2 * N + (ids_TLK.numel() if ids_TLK is not None else 0)
+        slot = self._launches % (self.out_dev.numel() // self._words)
+        base = slot * self._words
+        out = self.out_dev[base:base + n]
+        out[:N].copy_(tokens_N)
+        out[N:2 * N].view(torch.float32).copy_(logprobs_N)
+        if ids_TLK is not None:
+            out[2 * N:].view(ids_TLK.shape).copy_(ids_TLK)
+        event = None
+        if self._events is not None:
+            self.out_host[base:base + n].copy_(out, non_blocking=True)
+            event = self._events[slot]
+            event.record()
+        self._launches += 1
+        return LaunchedStep(self._launches, batch, prep, tokens_N, slot, n,
+                            None if ids_TLK is None else tuple(ids_TLK.shape), event, time.perf_counter())
+
+    def read(self, step: LaunchedStep, live: np.ndarray | None = None) -> StepOutput:
+        """Wait for a launched step's outputs (the one host read) -> StepOutput; rows take their tokens
+        (only the `live` samples [N] bool under overlap: the others left their rows meanwhile)."""
+        tokens, logprobs, ids = self._read_outputs(step)
+        self.inputs.tokens_read(step.prep, tokens, live)
+        return StepOutput(tokens.tolist(), logprobs.tolist(), self._routing_per_sample(step.batch, step.prep, ids))
+
+    def _read_outputs(self, step: LaunchedStep):
+        """The step's one device-to-host read: wait for the queued copy. Returns host numpy views (valid
+        until the slot is reused): tokens [N] int32, log-probs [N] fp32, routing ids [T, L, K] or None."""
+        if step.event is not None:
+            step.event.synchronize()
+        N = step.prep.sb.num_samples
+        base = step.slot * self._words
+        host = self._out_host_np[base:base + step.n]
+        ids = host[2 * N:].reshape(step.ids_shape) if step.ids_shape is not None else None
+        return host[:N], host[N:2 * N].view(np.float32), ids
 
     @staticmethod
-    def _store_routing(batch: ScheduledBatch, ids_TLK: torch.Tensor, qo_indptr: list[int]) -> None:
-        """Keep the expert ids [tokens, L_moe, K] each sequence's input tokens were routed to."""
-        for i, seq in enumerate(batch.seqs):
-            rows = ids_TLK[qo_indptr[i]:qo_indptr[i + 1]]
-            if batch.kind == "prefill":
-                seq.routing_ids = [rows]
-                for child in seq.fork_children:
-                    child.routing_ids = [rows]
-            else:
-                seq.routing_ids.append(rows)
+    def _routing_per_sample(batch: ScheduledBatch, prep: PreparedStep,
+                            ids_TLK: np.ndarray | None) -> list[np.ndarray] | None:
+        """Each sample's routing rows (a copy: the host buffer is reused): its leader's prompt tokens
+        (prefill) or its one input token (decode)."""
+        if ids_TLK is None:
+            return None
+        ids_TLK = ids_TLK.copy()
+        if batch.kind == "decode":
+            return [ids_TLK[i:i + 1] for i in range(len(batch.samples))]
+        qo = prep.fb.qo_indptr
+        return [ids_TLK[qo[r]:qo[r + 1]] for r in batch.sample_rows]

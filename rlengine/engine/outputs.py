@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rlengine.engine.sequence import Sequence
@@ -19,11 +20,7 @@ class CompletionOutput:
     logprobs: list[float]            # log-prob of each generated token (SamplingParams.logprobs_mode)
     finish_reason: str               # "stop" | "length" | "abort"
     policy_versions: list[int]       # engine weight version that sampled each token
-    routing_ids: torch.Tensor | None = None  # [prompt + generated - 1, L_moe, K] expert ids when recorded
-
-    @property
-    def text_len(self) -> int:
-        return len(self.token_ids)
+    routing_ids: torch.Tensor | None = None  # [prompt + generated - 1, L_moe, K] int64 expert ids when recorded
 
 
 @dataclass(slots=True)
@@ -44,7 +41,9 @@ class GenerateResult(list):
 
 
 def completion_of(seq: Sequence) -> CompletionOutput:
-    routing = torch.cat(seq.routing_ids)[: len(seq) - 1] if seq.routing_ids else None
+    routing = None
+    if seq.routing_ids:
+        routing = torch.from_numpy(np.concatenate(seq.routing_ids)[: len(seq) - 1].astype(np.int64))
     return CompletionOutput(index=seq.index, token_ids=seq.output_token_ids, logprobs=list(seq.logprobs),
                             finish_reason=seq.finish_reason or "abort", policy_versions=list(seq.versions),
                             routing_ids=routing)

@@ -1,47 +1,160 @@
-"""Sampler: logits of the last token of each sequence -> next token and its log-prob.
+"""Sampler: logits of each sample's last token -> next token and its log-prob, on the device.
 
-Per row: greedy (temperature 0), or temperature with optional top-k and top-p filtering,
-drawn from the row's own torch.Generator when the request has a seed (so a sample's tokens
-do not depend on what else is in the batch) or from the engine's generator otherwise.
+Per row: greedy (temperature 0), or temperature with optional top-k and top-p filtering.
 Returned log-prob, per the row's SamplingParams.logprobs_mode: "raw" = log_softmax(logits / T)
 over the full vocabulary, before filtering; "processed" = log_softmax(filter_logits(logits / T)),
 the distribution the token was drawn from (taken only for rows with a filter: without one the two
 are the same numbers). Greedy rows get log_softmax(logits) in both modes. sequence_logprobs is the
 learner's side: the same definition, through the same filter_logits, differentiable.
 
-Drawing: inverse CDF with ONE uniform number per row (not one per vocabulary entry, as the
-Gumbel-max trick needs: at B=256, V=4096 the [B, V] RNG alone cost more than the rest of the
-sampler on the CPU). Unseeded rows take theirs from the engine's generator in one call, seeded
-rows one number each from their own generator. An all-greedy batch is one max + log_softmax.
+Drawing: an exponential race over the filtered logits, argmax_v (z_v - log E_v) with E_v ~ Exp(1)
+i.i.d. (Gumbel-max), which picks v with probability exactly softmax(z)_v; a filtered-out token
+(-inf) can never win. There is no cumulative sum to round (an inverse CDF over an fp32 GPU cumsum
+can land on a token of probability 0). It runs in two levels so a row needs ~2 sqrt(V) exponentials,
+not V: the vocabulary is cut into chunks of S tokens, a race over the chunks' masses (logsumexp)
+picks a chunk, a race inside it picks the token; P(v) = m_c / M * p_v / m_c = p_v / M.
+Exponentials: unseeded rows draw theirs from the engine's torch.Generator (one call for the batch);
+seeded rows compute theirs from a counter-based hash of (their draw key, element index), the key
+being splitmix64(sample seed + position * golden) (draw_keys), so a seeded sample's tokens depend
+on nothing but its seed, its positions and its logits, and all seeded rows cost one batched
+computation, not one launch per row. No host reads: which path runs is decided from the step's
+host flags (SamplingBatch.kinds_any / kinds_all).
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
+import torch.nn.functional as F
 
-from rlengine.engine.sampling_params import LOGPROBS_MODES
-from rlengine.engine.sequence import Sequence
+from rlengine.engine.sampling_params import LOGPROBS_MODES, SamplingParams
+from rlengine.types import SamplingBatch
 
+# Bits of SamplingBatch.kind, one int per sample.
+SAMPLED = 1     # temperature > 0 (else greedy)
+FILTERED = 2    # top-k or top-p on
+PROCESSED = 4   # log-prob under the filtered distribution (sampled and filtered rows only)
+SEEDED = 8      # sampled with a per-request seed (hashed exponentials)
 
 # On the CPU a full sort of [B, V] logits costs tens of ms at B = 256 (a decode step is ~100 ms):
 # top-k / top-p first look at the CANDIDATES most likely tokens (torch.topk) and sort the whole row
 # only for the rows whose kept set reaches past them (a flat distribution with top_p near 1).
 CANDIDATES = 64
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M32 = 0xFFFFFFFF
 
-def filter_logits(z_BV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+
+def sample_kind(params: SamplingParams, seeded: bool) -> int:
+    """The kind bits of a sample with these params (seeded: it has a per-request seed)."""
+    if params.greedy:
+        return 0
+    kind = SAMPLED | (SEEDED if seeded else 0)
+    if params.filtered:
+        kind |= FILTERED | (PROCESSED if params.logprobs_mode == "processed" else 0)
+    return kind
+
+
+def draw_keys(seed_keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Key of each seeded draw: splitmix64(seed_key + position * golden) [N] uint64.
+
+    seed_keys [N] uint64 (sampling_params.sample_seed of each sample), positions [N] int64 (index of
+    the token being sampled). This is the position-th output of a SplitMix64 stream seeded with the
+    sample's seed (the same numbers as sampling_params.splitmix64 in pure Python).
+    """
+    z = seed_keys + positions.astype(np.uint64) * _GOLDEN + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def make_sampling_batch(params: list[SamplingParams], *, device: torch.device | str = "cpu",
+                        seed_keys: list[int | None] | None = None, positions: list[int] | None = None,
+                        vocab_size: int | None = None) -> SamplingBatch:
+    """A SamplingBatch for N samples built directly (the engine builds the same from its row arrays,
+    engine/step_inputs.py): seed_keys [N] per-sample seeds (None: the engine's generator), positions
+    [N] index of the token each draws (default 0), vocab_size for the CPU filter's candidate count."""
+    N = len(params)
+    seed_keys = list(seed_keys) if seed_keys is not None else [None] * N
+    positions = list(positions) if positions is not None else [0] * N
+    kinds = np.array([sample_kind(p, k is not None) for p, k in zip(params, seed_keys)], dtype=np.int32)
+    keys = draw_keys(np.array([k or 0 for k in seed_keys], dtype=np.uint64), np.array(positions, dtype=np.int64))
+    top_k = [p.top_k for p in params]
+    V = vocab_size or (max(top_k) + 1)
+    device = torch.device(device)
+    return SamplingBatch(
+        num_samples=N, logits_rows=None,
+        temperature=torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
+                                 device=device),
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        seed_keys=torch.from_numpy(keys.view(np.int64)).to(device), kind=torch.from_numpy(kinds).to(device),
+        kinds_any=int(np.bitwise_or.reduce(kinds)), kinds_all=int(np.bitwise_and.reduce(kinds)),
+        max_top_k=max([k if k < V else 0 for k in top_k] + [0]))
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer bijection (two xorshift-multiply rounds) on int64 values in [0, 2^32), in place.
+
+    The multipliers are odd and < 2^31, so no product of a 32-bit value overflows int64.
+    """
+    x ^= x >> 16
+    x.mul_(0x21F0AAAD).bitwise_and_(_M32)
+    x ^= x >> 15
+    x.mul_(0x735A2D97).bitwise_and_(_M32)
+    x ^= x >> 15
+    return x
+
+
+def hashed_exponentials(keys_N: torch.Tensor, M: int) -> torch.Tensor:
+    """Exp(1) variates [N, M] fp32 from per-row draw keys [N] int64 (uint64 bits): element e of row r
+    is -log(u) with u = (2 * (h >> 9) + 1) / 2^24, h = H(H(e ^ lo_r) ^ hi_r), H = _hash32."""
+    lo = (keys_N & _M32)[:, None]
+    hi = ((keys_N >> 32) & _M32)[:, None]
+    x = torch.arange(M, device=keys_N.device, dtype=torch.int64)[None, :] ^ lo
+    x = _hash32(_hash32(x) ^ hi)
+    u = ((x >> 9) * 2 + 1).to(torch.float32).mul_(2.0 ** -24)  # odd / 2^24: exact in fp32, in (0, 1)
+    return u.log_().neg_()
+
+
+def chunk_log_mass(x_NCS: torch.Tensor) -> torch.Tensor:
+    """log of each chunk's unnormalised mass [N, num_chunks] (-inf for a chunk of excluded tokens)."""
+    return x_NCS.logsumexp(dim=-1)
+
+
+def chunking(V: int) -> tuple[int, int]:
+    """(S, num_chunks) of the two-level race: S a power of two near sqrt(V), num_chunks * S >= V.
+
+    A power of two within 4x of sqrt(V) that divides V is preferred (no padded copy of the logits:
+    Qwen3's V = 151936 = 128 * 1187 gives S = 128); else S ~ sqrt(V) and the last chunk is padded.
+    """
+    S0 = 1 << max(0, round(math.log2(max(V, 1)) / 2))
+    for S in (S0, S0 // 2, S0 * 2, S0 // 4):
+        if S >= 1 and V % S == 0:
+            return S, V // S
+    return S0, -(-V // S0)
+
+
+def filter_logits(z_BV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  max_top_k: int | None = None) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. top_k <= 0 / top_p = 1 mean off.
 
     z_BV: temperature-scaled logits [B, V] fp32; top_k [B] int64; top_p [B] fp32. Returns a new tensor.
     Top-k first, then the nucleus over the renormalised top-k: the smallest prefix of tokens (by
-    descending prob) whose mass reaches top_p. On the CPU: host reads of top_k and of which rows
-    need the full sort (free there); on a GPU: one segmented sort, no host read.
+    descending prob) whose mass reaches top_p. On the CPU the candidate count is
+    max(CANDIDATES, the largest top_k < V): max_top_k gives it from the host (else it is read from
+    top_k), and which rows need the full sort is read too (free there); on a GPU: one segmented
+    sort, no host read.
     """
     V = z_BV.shape[1]
     k_B = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
     K = V
     if z_BV.device.type == "cpu":
-        K = min(V, max(CANDIDATES, int(k_B.masked_fill(k_B == V, 0).max())))
+        if max_top_k is None:
+            max_top_k = int(k_B.masked_fill(k_B == V, 0).max())
+        K = min(V, max(CANDIDATES, max_top_k))
     if K == V:
         sorted_z, order = z_BV.sort(dim=-1, descending=True)
         return _mask_ranked(z_BV, sorted_z, order, k_B, top_p, None)[0]
@@ -81,54 +194,48 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits_BV: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-        """logits [B, V] (any float dtype) for `seqs` -> (token ids [B], log-probs [B]) as host lists.
+    def __call__(self, logits_NV: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [N, V] (any float dtype) -> (token ids [N] int64, log-probs [N] fp32), on the device.
 
-        Host sync: the .tolist() at the end (the engine needs the tokens on the host anyway);
-        which path to take is decided from the host-side params, never from device values.
+        No host sync, no host-to-device copy: the per-sample inputs are device views of the step's
+        staging copy, and the path is chosen from sb's host flags.
         """
-        logits = logits_BV.float()
-        params = [s.params for s in seqs]
-        greedy = [p.greedy for p in params]
-        if all(greedy):
-            tokens = logits.max(dim=-1, keepdim=True)[1]  # max() is ~3x faster than argmax() on the CPU
-            return tokens.view(-1).tolist(), _logprob_of(logits, tokens).tolist()
-        device = logits.device
-        z = logits / torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)[:, None]
-        if any(p.filtered for p in params):
-            top_k = torch.tensor([p.top_k for p in params], device=device)
-            top_p = torch.tensor([p.top_p for p in params], device=device, dtype=torch.float32)
-            filtered = filter_logits(z, top_k, top_p)
-        else:
-            filtered = z
-        # Inverse-CDF draw: the first token whose cumulative probability exceeds u ~ U(0, 1), one u
-        # per row (CPU cumsum accumulates in double, so each CDF entry is correctly rounded).
-        logprobs_BV = z.log_softmax(dim=-1)
-        cdf = (logprobs_BV.exp() if filtered is z else filtered.softmax(dim=-1)).cumsum_(dim=-1)
-        u = self._uniform(len(seqs), seqs, device)
-        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)
-        if any(greedy):
-            rows = torch.tensor(greedy, device=device)[:, None]
-            tokens = torch.where(rows, logits.max(dim=-1, keepdim=True)[1], tokens)
-        logprobs_B1 = logprobs_BV.gather(1, tokens)
-        processed = [i for i, p in enumerate(params) if p.logprobs_mode == "processed" and p.filtered and not p.greedy]
-        if processed:  # only these rows pay for a second log_softmax; the rest keep the raw values
-            rows = torch.tensor(processed, device=device)
-            logprobs_B1[rows] = filtered[rows].log_softmax(dim=-1).gather(1, tokens[rows])
-        return tokens.view(-1).tolist(), logprobs_B1.view(-1).tolist()
+        logits = logits_NV.float()
+        if not sb.kinds_any & SAMPLED:  # all greedy: max() is ~3x faster than argmax() on the CPU
+            tokens = logits.max(dim=-1, keepdim=True)[1]
+            return tokens.view(-1), _logprob_of(logits, tokens)
+        z = logits / sb.temperature[:, None]  # greedy rows carry temperature 1: z = logits there
+        filtered = filter_logits(z, sb.top_k, sb.top_p, sb.max_top_k) if sb.kinds_any & FILTERED else z
+        tokens = self._race(filtered, sb)
+        if not sb.kinds_all & SAMPLED:
+            greedy = ((sb.kind & SAMPLED) == 0)[:, None]
+            tokens = torch.where(greedy, logits.max(dim=-1, keepdim=True)[1], tokens)
+        if sb.kinds_any & PROCESSED:  # one log_softmax: filtered rows where processed, raw elsewhere
+            z = torch.where(((sb.kind & PROCESSED) != 0)[:, None], filtered, z)
+        return tokens.view(-1), z.log_softmax(dim=-1).gather(1, tokens).view(-1)
 
-    def _uniform(self, B: int, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
-        """u ~ U(0, 1) [B, 1]: seeded sequences draw from their own generator, the rest from the engine's."""
-        u = torch.empty(B, 1, device=device)
-        shared = [i for i, s in enumerate(seqs) if s.generator is None]
-        if len(shared) == B:
-            return u.uniform_(generator=self.generator)
-        if shared:
-            u[shared] = torch.rand((len(shared), 1), generator=self.generator, device=device)
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                u[i].uniform_(generator=s.generator)
-        return u
+    def _race(self, x_NV: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+        """Two-level exponential race over logits x [N, V] (-inf = excluded) -> token ids [N, 1] int64."""
+        N, V = x_NV.shape
+        S, nc = chunking(V)
+        if nc * S != V:
+            x_NV = F.pad(x_NV, (0, nc * S - V), value=float("-inf"))
+        x_NCS = x_NV.view(N, nc, S)
+        log_e = self._exponentials(N, nc + S, sb).log_()
+        chunk_N1 = (chunk_log_mass(x_NCS) - log_e[:, :nc]).argmax(dim=-1, keepdim=True)
+        inside_NS = x_NCS.gather(1, chunk_N1[:, :, None].expand(N, 1, S))[:, 0]
+        return chunk_N1 * S + (inside_NS - log_e[:, nc:]).argmax(dim=-1, keepdim=True)
+
+    def _exponentials(self, N: int, M: int, sb: SamplingBatch) -> torch.Tensor:
+        """Exp(1) variates [N, M] fp32: hashed from the draw keys for seeded rows, the engine's generator
+        for the rest. Clamped away from 0, so -log(E) is finite and a -inf logit stays -inf."""
+        if sb.kinds_all & SEEDED:
+            return hashed_exponentials(sb.seed_keys, M)
+        rng = torch.empty(N, M, device=sb.temperature.device).exponential_(generator=self.generator)
+        rng.clamp_(min=torch.finfo(torch.float32).tiny)
+        if not sb.kinds_any & SEEDED:
+            return rng
+        return torch.where(((sb.kind & SEEDED) != 0)[:, None], hashed_exponentials(sb.seed_keys, M), rng)
 
 
 def _logprob_of(logits_BV: torch.Tensor, tokens_B1: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,11 @@ same quantity with sampler.sequence_logprobs):
               importance ratios for RL when a filter is on.
 Without top-k / top-p the two are identical; for greedy decoding (temperature 0) both are
 log_softmax(logits).
-Seeds: sample i of a request with seed s draws from a generator seeded with s + i, so a
-request with n = G and seed s produces exactly what G requests with n = 1 and seeds
-s, s+1, ..., s+G-1 produce.
+Seeds: sample i of a request with seed s draws with the seed sample_seed(s, i): s itself for
+i = 0, a splitmix64 mix of (s, i) for i >= 1 (never s + i, which would make sample 1 of seed s
+sample 0 of seed s + 1). So a request with n = G and seed s produces exactly what G requests
+with n = 1 and seeds sample_seed(s, 0), ..., sample_seed(s, G - 1) produce, whatever else is
+in the batch (a seeded draw depends only on its seed, its position and its logits).
 """
 
 from __future__ import annotations
@@ -19,6 +21,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 LOGPROBS_MODES = ("raw", "processed")
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(z: int) -> int:
+    """The splitmix64 finaliser of a 64-bit value (Steele, Lea, Flood 2014): a bijection that
+    scatters nearby inputs across all 64 bits. Pure Python, identical in every process."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed sample `index` of a request with `seed` draws with (a 64-bit int).
+
+    index 0 keeps the request's seed, so a one-sample request with seed t draws exactly what
+    sample 0 of any request with seed t draws; index i >= 1 mixes (seed, i) through splitmix64,
+    so the samples of one request, and of requests with nearby seeds, do not share draws.
+    """
+    if index < 0:
+        raise ValueError(f"sample_seed: index must be >= 0, got {index}")
+    seed &= _MASK64
+    if index == 0:
+        return seed
+    return splitmix64(seed ^ splitmix64(index))
 
 
 @dataclass(slots=True, kw_only=True)
@@ -32,7 +59,7 @@ class SamplingParams:
     max_tokens: int = 16                        # generated tokens at most
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False                    # keep going past the model's EOS ids
-    seed: int | None = None                     # per-request seed (sample i uses seed + i)
+    seed: int | None = None                     # per-request seed (sample i: sample_seed(seed, i))
     logprobs_mode: str = "raw"                  # "raw" | "processed": see the module docstring
 
     def __post_init__(self) -> None:
@@ -46,6 +73,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be -1/0 (off) or >= 1, got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"SamplingParams.logprobs_mode must be one of {LOGPROBS_MODES}, "
                              f"got {self.logprobs_mode!r}")

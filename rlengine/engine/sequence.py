@@ -1,8 +1,12 @@
 """Sequence: one sample in flight (prompt + generated tokens, KV blocks, sampling state).
 
-A request with n samples owns n Sequences. The first one (the group leader) is prefilled;
-its siblings wait in `fork_children` and are forked from its KV blocks right after that
-prefill, so the prompt is processed once per request.
+A request with n samples owns n Sequences, queued and admitted together as one group: at
+admission the scheduler gives the first (the leader) fresh KV blocks and forks them into the
+others, and only the leader runs through the prefill forward; every member samples its first
+token from the leader's last logits row. A preempted sequence comes back alone, keeping its
+generated tokens, and is prefilled again (prompt + generated) on re-admission.
+Finish conditions are fixed when the sequence is created (`stop_ids`, `max_len`), so the
+per-step check is one set lookup and one length compare.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-import torch
+import numpy as np
 
 from rlengine.engine.sampling_params import SamplingParams
 
@@ -24,14 +28,14 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    """Token ids, block table and per-sample sampling state of one sample."""
+    """Token ids, KV blocks and per-sample sampling state of one sample."""
 
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "logprobs", "versions",
-                 "block_table", "num_cached_tokens", "status", "params", "generator", "finish_reason",
-                 "fork_children", "routing_ids", "arrival")
+                 "block_table", "row", "status", "params", "seed_key", "stop_ids", "max_len", "finish_reason",
+                 "routing_ids")
 
-    def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams,
-                 generator: torch.Generator | None):
+    def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, *,
+                 seed_key: int | None = None, stop_ids: frozenset[int] = frozenset(), max_len: int | None = None):
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.index = index                      # sample index within the request
@@ -39,15 +43,15 @@ class Sequence:
         self.num_prompt_tokens = len(prompt)
         self.logprobs: list[float] = []         # one per generated token
         self.versions: list[int] = []           # weight version that sampled each generated token
-        self.block_table: list[int] = []
-        self.num_cached_tokens = 0              # tokens whose K/V is in the cache
+        self.block_table: list[int] = []        # KV block of each page (the BlockManager's bookkeeping)
+        self.row = -1                           # row in the engine's per-sequence tables while it holds blocks
         self.status = SequenceStatus.WAITING
         self.params = params
-        self.generator = generator
+        self.seed_key = seed_key                # sample_seed(params.seed, index); None: the engine's generator
+        self.stop_ids = stop_ids                # a sampled token in here finishes the sequence ("stop")
+        self.max_len = max_len if max_len is not None else len(prompt) + params.max_tokens  # "length" at this
         self.finish_reason: str | None = None
-        self.fork_children: list[Sequence] = []  # siblings forked after this sequence's prefill
-        self.routing_ids: list[torch.Tensor] = []  # per step [tokens, L_moe, K] expert ids (routing replay)
-        self.arrival = self.seq_id
+        self.routing_ids: list[np.ndarray] = []  # per step [tokens, L_moe, K] expert ids (routing replay)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -59,11 +63,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def group_size(self) -> int:
-        """Sequences admitted together with this one (itself plus unforked siblings)."""
-        return 1 + len(self.fork_children)
 
     @property
     def is_finished(self) -> bool:

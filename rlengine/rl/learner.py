@@ -28,6 +28,7 @@ from rlengine.rl.losses import kl_k3, masked_aggregate, policy_loss, value_loss
 from rlengine.rl.distributed import Dist
 from rlengine.rl.optim import LearnerOptimizer, use_master_weights
 from rlengine.rl.value import ValueModel
+from rlengine.telemetry.nvtx import PhaseRanges
 
 
 def token_logprobs(module, mb: TrainBatch, temperature: float, fused: bool):
@@ -82,6 +83,7 @@ class Learner:
         self.parallel = cfg.parallel if cfg.parallel != "auto" else ("ddp" if self.dist.enabled else "none")
         self.actor_fwd, self.critic_fwd = self._parallelize()
         masters = use_master_weights(cfg.master_weights, model.dtype)
+        self.ranges = PhaseRanges.for_device(model.device)  # learner.forward-backward / learner.optimizer
         self.optim = LearnerOptimizer(model.parameters(), lr=cfg.lr_effective, betas=cfg.betas,
                                       weight_decay=cfg.weight_decay, masters=masters)
         self.opt, self.master_params = self.optim.opt, self.optim.master_params
@@ -281,9 +283,15 @@ class Learner:
         """
         if phases is not None:
             phases.set_phase("forward-backward")
-        metrics = self.compute_grads(batch, critic_only=critic_only)
+        with self.ranges("learner.forward-backward"):
+            metrics = self.compute_grads(batch, critic_only=critic_only)
         if phases is not None:
             phases.set_phase("optimizer")
+        with self.ranges("learner.optimizer"):
+            return self._apply(metrics, critic_only)
+
+    def _apply(self, metrics: dict, critic_only: bool) -> dict:
+        """Clip, check for non-finite values, step the optimizer(s): the tail of step()."""
         actor_norm = _full(torch.nn.utils.clip_grad_norm_(self.optim.grad_params, self.cfg.max_grad_norm))
         critic_norm = None
         if self.critic is not None:

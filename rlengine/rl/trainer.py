@@ -34,6 +34,7 @@ from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector,
 from rlengine.rl.tasks import build_task
 from rlengine.rl.warmstart import format_warmstart
 from rlengine.telemetry.nvml import NvmlSampler
+from rlengine.telemetry.profiler import ProfileWindow, step_profiler
 from rlengine.telemetry.records import build_boundary_record
 from rlengine.telemetry.timers import PhaseTimer
 
@@ -54,10 +55,12 @@ def _build_model(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCausalLM, Tokeni
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, resume_from: str | Path | None = None,
-                 dist: Dist | None = None):
+                 dist: Dist | None = None, profile: str | Path | None = None, profile_window: str = "1:2"):
         """resume / resume_from: continue from the latest checkpoint of `resume_from` (default: run.out_dir);
-        metrics go to run.out_dir either way. dist: this rank (default: from torchrun's environment)."""
+        metrics go to run.out_dir either way. dist: this rank (default: from torchrun's environment).
+        profile: a directory for a torch.profiler trace of the RL updates in profile_window (START:STOP)."""
         self.cfg = cfg
+        self.profile = (profile, ProfileWindow.parse(profile_window))
         self.dist = dist if dist is not None else init_from_env()
         self.dist.check_same("config", cfg.to_dict())
         self.run_dir = Path(cfg.run.out_dir)
@@ -82,8 +85,6 @@ class Trainer:
                        record_routing=g.record_routing, **common)
         self.eval_llm = LLM(self.model, max_num_seqs=min(256, cfg.task.num_eval * cfg.eval.k), seed=cfg.run.seed + 1,
                             **common)
-        for llm in (self.llm, self.eval_llm):  # GPU: capture decode graphs now, not inside timed steps
-            llm.capture_decode_graphs()
         self.sampler = PrioritySampler(len(self.task.train), cfg.run.seed, enabled=t.priority_sampling)
         if g.filtered and g.logprobs_mode == "raw":
             warnings.warn("gen.top_k / gen.top_p filter the sampled distribution but gen.logprobs_mode = 'raw' "
@@ -98,7 +99,9 @@ class Trainer:
                                           dist=self.dist, seed=cfg.run.seed)
         self.update, self.N = 0, 0
         self.history: list[dict] = []
-        self.telemetry = NvmlSampler()        # says plainly when GPU telemetry is unavailable
+        # the GPU this rank uses (NVML numbers every GPU on the node): mapped by UUID / PCI bus id
+        cuda = [self.model.device.index or 0] if self.model.device.type == "cuda" else None
+        self.telemetry = NvmlSampler(cuda_devices=cuda)  # says plainly when GPU telemetry is unavailable
         self.timer = PhaseTimer(self.model.device)  # t_gen / t_train; syncs only at phase ends
         self.llm.phase_listener = self.telemetry
         self.warmstart_losses: list[float] = []
@@ -115,6 +118,26 @@ class Trainer:
                                logprobs_mode=g.logprobs_mode, top_k=g.top_k, top_p=g.top_p, dist=self.dist)
         if self.resume_dir is not None:
             self._resume()
+        # GPU: capture decode graphs now, not inside timed steps, on the parameters the engine reads
+        # (under FSDP the unsharded ones: graphs are re-captured when their storage moves)
+        self._graph_weights, self.graph_recaptures = None, 0
+        with self.dist.unsharded(self.model):
+            self.refresh_decode_graphs()
+
+    def refresh_decode_graphs(self) -> None:
+        """(Re-)capture the engines' decode graphs when the parameters' storage differs from the one
+        they were captured on. A graph replays fixed addresses; FSDP allocates the unsharded storage
+        anew at each unshard (replicas and one process never move, so they capture once)."""
+        weights = tuple(p.data_ptr() for p in self.model.parameters())
+        if weights == self._graph_weights:
+            return
+        for llm in (self.llm, self.eval_llm):
+            graphs = llm.runner.graphs
+            if graphs is not None and self._graph_weights is not None:
+                llm._use_decode_graphs(graphs.graph_cls, graphs.sizes)  # drops the stale captures
+                self.graph_recaptures += 1
+            llm.capture_decode_graphs()
+        self._graph_weights = weights
 
     # ---- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -125,6 +148,7 @@ class Trainer:
         params = [SamplingParams(n=e.k, temperature=e.temperature, seed=request_seed(self.cfg.run.seed + 1, i),
                                  max_tokens=self.cfg.gen.max_tokens) for i, _ in mine]
         with d.unsharded(self.model):
+            self.refresh_decode_graphs()
             outs = self.eval_llm.generate([self.tok.encode(p.prompt) for _, p in mine], params) if mine else []
         j, self.eval_reward_errors = score_outputs(self.task.reward_fn, self.tok, [p for _, p in mine], outs,
                                                    self.cfg.task.max_reward_error_frac, dist=d)
@@ -138,6 +162,7 @@ class Trainer:
         preempt0, recompute0 = self.llm.scheduler.num_preemptions, self.llm.scheduler.num_recomputed_tokens
         self.timer.reset()
         with self.timer.phase("gen"), self.dist.unsharded(self.model):  # FSDP: decode from full weights
+            self.refresh_decode_graphs()
             groups = self.collector.collect(stats)
         if t.algo == "grpo":
             batch = grpo_batch(groups, normalize_std=t.normalize_std)
@@ -198,8 +223,12 @@ class Trainer:
             self._log({"update": 0, "N": 0, "J": self.evaluate()})
         from rlengine.rl.progress import Progress
 
+        out, window = self.profile
+        profiler = step_profiler(out if self.dist.is_main else None, name="train", window=window,
+                                 device=self.model.device, ranges=[self.llm.ranges, self.learner.ranges])
         self.telemetry.start()
-        with Progress(cfg.train.updates, start=self.update, enabled=cfg.run.progress and self.dist.is_main) as bar:
+        progress = Progress(cfg.train.updates, start=self.update, enabled=cfg.run.progress and self.dist.is_main)
+        with profiler, progress as bar:
             while self.update < last:
                 n_before = self.N
                 record = self.train_step()
@@ -210,6 +239,9 @@ class Trainer:
                 bar.advance(record)
                 if cfg.run.checkpoint_every and self.update % cfg.run.checkpoint_every == 0:
                     self.checkpoint()
+                profiler.step()  # one profiler step = one RL update (collect, update, eval, log)
+        if profiler.trace_path:
+            print(f"profile of updates {window.start}..{window.stop - 1}: {profiler.trace_path} {profiler.note}")
         self.telemetry.stop()
         self._write_telemetry()
         self.checkpoint()

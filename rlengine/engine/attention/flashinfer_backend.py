@@ -1,10 +1,12 @@
 """FlashInfer decode backend (BatchDecodeWithPagedKVCacheWrapper), used when installed on a GPU.
 
-plan() hands FlashInfer the step's page tables once; run() per layer. Under CUDA graphs each
-batch bucket gets its own wrapper built with use_cuda_graph=True over the bucket's fixed
-page-table buffers (FlashInfer's own graph mode), re-planned outside the graph before every
-replay. Untested in CI (no GPU, FlashInfer not installed there); the torch backend is its
-oracle when it runs.
+plan() hands FlashInfer the step's page tables once; run() per layer. FlashInfer's plan() works
+on the host: indptr and last_page_len go in as the batch's pinned host tensors (given device
+tensors it would copy them back, two syncs per step), kv_indices as the device view. Under CUDA
+graphs each batch bucket gets its own wrapper built with use_cuda_graph=True over the bucket's
+fixed page-table buffers (FlashInfer's own graph mode), re-planned outside the graph before every
+replay. Opt-in (attention_backend="flashinfer"; `auto` never picks it) until a GPU run has checked
+it against the torch oracle: tests/test_engine_gpu.py does when flashinfer is installed.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class FlashInferBackend(AttentionBackend):
         if batch.kind == "decode":
             self.active = self._graph_wrapper(batch) if batch.static else self.wrapper
             k = self.kv.k[0]
-            self.active.plan(batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, self.num_heads,
+            self.active.plan(batch.kv_indptr_host, batch.kv_indices, batch.kv_last_page_len_host, self.num_heads,
                              k.shape[2], self.head_dim, k.shape[1], q_data_type=k.dtype, sm_scale=self.scale)
 
     def decode(self, layer_id, q_BHD, k_cache, v_cache):

@@ -22,10 +22,10 @@ class TorchBackend(AttentionBackend):
             return
         P = self.kv.block_size
         device = batch.input_ids.device
-        s_max = max(batch.context_lens)
+        s_max = int(batch.context_lens.max())
         pos = torch.arange(s_max, device=device)
         indptr = batch.kv_indptr.long()
-        lens = torch.tensor(batch.context_lens, device=device)
+        lens = torch.from_numpy(batch.context_lens).to(device)  # a host copy: the oracle is not a hot path
         # Padding positions re-read the sequence's own last token: masked out of the scores, but the
         # values must still be finite (0 * NaN from never-written cache memory would poison o = p @ V).
         pos_BS = torch.minimum(pos[None, :], lens[:, None] - 1)

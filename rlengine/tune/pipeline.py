@@ -1,0 +1,180 @@
+"""Algorithm 1 end to end (`rlengine tune`) and the same accounting over existing runs (`rlengine report`).
+
+tune(spec, out_dir): stage 1 -> stage 2 -> Table 1 rows -> choice (max q / r_N among rows every seed
+of which reached J*) -> confirmation: the chosen configuration against the job's own on FRESH seeds
+(the stage-1 seeds chose it, so their times are biased in its favour) -> report files in out_dir.
+report_runs(dirs, target_j): reads run directories a user already has and builds the same table,
+grad-norm slope and figures, with no runs started.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from rlengine.tune.curves import candidate_stats, group_curves, lr_effective, read_run, target_hit
+from rlengine.tune.runner import TrainerRunner, plan_config
+from rlengine.tune.stage1 import budgets, curve_overrides, run_stage1
+from rlengine.tune.stage2 import run_stage2
+from rlengine.tune.table import build_rows, choose_row
+from rlengine.tune.types import (Confirmation, GenPoint, GenSweep, RunCurve, RunPlan, RunsReport, TuneResult,
+                                 TuneSpec)
+
+Runner = Callable[[RunPlan], "RunCurve | None"]
+
+
+def chosen_overrides(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int = 0) -> tuple:
+    """Overrides that turn the job into a chosen (B_train, B_gen): the sqrt rule from (B0, eta0)."""
+    over = dict(curve_overrides(spec, b_train, b_gen=b_gen, num_kv_blocks=kv_blocks))
+    over.pop("eval.every_responses")  # how the tune evaluated, not part of the configuration
+    return tuple(over.items())
+
+
+def confirm(spec: TuneSpec, label: str, overrides: tuple, runner: Runner, notes: list[str]
+            ) -> tuple[Confirmation | None, list[RunCurve]]:
+    """Chosen vs the job on spec.confirm_seeds fresh seeds, interleaved, each to J* (or its budget)."""
+    _, every = budgets(spec)
+    job_over = (("eval.every_responses", every),)
+    chosen_over = tuple(overrides) + job_over
+    probe = RunPlan(name="x", stage="confirm", label="", seed=0, overrides=(), target_j=None)
+    if _meaning(spec.job, _with(probe, chosen_over)) == _meaning(spec.job, _with(probe, job_over)):
+        notes.append(f"confirmation: the chosen configuration {label} is the job's own; nothing to compare")
+        return None, []
+    seeds = tuple(range(max(spec.seeds) + 1, max(spec.seeds) + 1 + spec.confirm_seeds))
+    stop = spec.target_j if spec.stop_at_target else None
+    t_c, t_d, curves = [], [], []
+    for seed in seeds:
+        for name, lab, over, out in ((f"cf-job-s{seed}", "job", job_over, t_d),
+                                     (f"cf-tuned-s{seed}", f"tuned {label}", chosen_over, t_c)):
+            curve = runner(RunPlan(name=name, stage="confirm", label=lab, seed=seed, overrides=over, target_j=stop))
+            if curve is None:
+                notes.append(f"confirmation: {lab} seed {seed} not run (time budget spent)")
+                out.append(None)
+                continue
+            curves.append(curve)
+            out.append(target_hit(curve, spec.target_j).t_star)
+    ratio = tuple(c / d for c, d in zip(t_c, t_d) if c is not None and d is not None)
+    mc = [t for t in t_c if t is not None]
+    md = [t for t in t_d if t is not None]
+    rom = (sum(mc) / len(mc)) / (sum(md) / len(md)) if mc and md else None
+    return Confirmation(chosen=label, default="job", seeds=seeds, t_chosen=tuple(t_c), t_default=tuple(t_d),
+                        ratio=ratio, ratio_of_means=rom), curves
+
+
+def _meaning(job: dict, plan: RunPlan) -> dict:
+    """What a config computes: the run section (seed, directory) left out and (lr, b0, lr_rule) as
+    the one LR they give, so the job's b0 = 0 and the tune's b0 = B_train compare equal."""
+    d = plan_config(job, plan, Path("unused")).to_dict()
+    d.pop("run")
+    train = d["train"]
+    train["eta"] = lr_effective(train)
+    for key in ("lr", "b0", "lr_rule"):
+        train.pop(key)
+    return d
+
+
+def _with(plan: RunPlan, overrides: tuple) -> RunPlan:
+    return RunPlan(name=plan.name, stage=plan.stage, label=plan.label, seed=plan.seed, overrides=tuple(overrides),
+                   target_j=plan.target_j)
+
+
+def tune(spec: TuneSpec, out_dir: str | Path, *, runner: Runner | None = None, resume: bool = False,
+         log: Callable[[str], None] = print) -> TuneResult:
+    """Run Algorithm 1 for `spec`, writing every run under out_dir/runs and the report in out_dir."""
+    from rlengine.tune.report import write_report
+
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    runner = runner or TrainerRunner(spec.job, out_dir, resume=resume, budget_s=spec.budget_s, clock=spec.clock,
+                                     log=log)
+    notes: list[str] = []
+    log(f"tune: stage 1 (training batch): B_train {sorted(spec.b_train)}, seeds {list(spec.seeds)}, "
+        f"J* = {spec.target_j}")
+    s1 = run_stage1(spec, runner, notes)
+    log("tune: stage 2 (generation concurrency)")
+    s2 = run_stage2(spec, s1, runner, notes)
+    rows = build_rows(list(s1.candidates) + list(s2.rechecks), s1.reference, b_kv=s2.b_kv)
+    best = choose_row(rows, s1.reference)
+    conf, curves, over = None, [], ()
+    if best is None:
+        notes.append("choice: no configuration reached J* on every seed; nothing chosen")
+    else:
+        over = chosen_overrides(spec, best.b_train, best.b_gen, s2.kv_blocks)
+        if spec.confirm_seeds:
+            log(f"tune: confirmation: {best.label} against the job on {spec.confirm_seeds} fresh seeds")
+            conf, curves = confirm(spec, best.label, over, runner, notes)
+    result = TuneResult(spec=spec, stage1=s1, stage2=s2, rows=tuple(rows), chosen=best.label if best else "",
+                        chosen_overrides=over, confirmation=conf, confirm_curves=tuple(curves),
+                        notes=tuple(notes), wall_s=time.perf_counter() - t0)
+    write_report(result, out_dir)
+    log(f"tune: report in {out_dir} ({result.wall_s:.0f} s)")
+    return result
+
+
+def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
+    """Run directories among `paths`: each path itself if it holds config.json and metrics.jsonl,
+    else its immediate subdirectories that do (so OUT/runs of a tune works as one argument)."""
+    found = []
+    for p in map(Path, paths):
+        if (p / "config.json").is_file() and (p / "metrics.jsonl").is_file():
+            found.append(p)
+        elif p.is_dir():
+            found += sorted(d for d in p.iterdir() if (d / "config.json").is_file() and (d / "metrics.jsonl").is_file())
+        else:
+            raise ValueError(f"{p}: no such run directory")
+    if not found:
+        raise ValueError(f"no run directories (config.json + metrics.jsonl) under {[str(p) for p in paths]}")
+    return found
+
+
+def report_runs(paths: Sequence[str | Path], target_j: float, *, reference: str = "", delta: float = 0.1,
+                stages: Sequence[str] = ("stage1", "control", "recheck", "run")) -> RunsReport:
+    """The accounting of existing runs: seeds of one configuration (same B_train, B_gen, LR rule) are
+    grouped; `reference` is a configuration label (default: the first run's). Probe and confirmation
+    runs of a tune are left out unless `stages` names them."""
+    notes: list[str] = []
+    curves = [c for c in (read_run(d) for d in find_run_dirs(paths)) if c.stage in stages]
+    if not curves:
+        raise ValueError(f"no runs of stages {list(stages)} among the given directories")
+    clocks = sorted({c.clock for c in curves})
+    if len(clocks) > 1:
+        notes.append(f"the runs timed t_gen / t_train on different clocks ({', '.join(clocks)}): T, q and "
+                     f"T/T_ref mix them and mean nothing; N*, r_N and the grad norms are unaffected")
+    groups = group_curves(curves)
+    reference = reference or curves[0].label
+    if reference not in groups:
+        raise ValueError(f"reference {reference!r} is not a configuration among {list(groups)}")
+    window = min(c.update_n[-1] for c in curves if c.update_n)
+    order = {"stage1": 0, "run": 0, "control": 1, "recheck": 2}
+    cands = sorted((candidate_stats(cs, target_j, window) for cs in groups.values()),
+                   key=lambda c: (order.get(c.stage, 3), c.b_train, c.b_gen))
+    for c in cands:
+        if not c.all_reached:
+            notes.append(f"{c.label} reached J* = {target_j} on {c.reached}/{len(c.hits)} seeds")
+    rows = build_rows(cands, reference)
+    best = choose_row(rows, reference)
+    return RunsReport(target_j=target_j, reference=reference, candidates=tuple(cands), curves=tuple(curves),
+                      rows=tuple(rows), sweeps=tuple(_run_sweeps(cands, delta)), chosen=best.label if best else "",
+                      grad_window=window, notes=tuple(notes))
+
+
+def _run_sweeps(cands: Sequence, delta: float) -> list[GenSweep]:
+    """q against B_gen from whole runs, for each B_train that was run at two or more B_gen values."""
+    from rlengine.analysis.fits import critical_generation_batch
+
+    out = []
+    by_b: dict[int, list] = {}
+    for c in cands:
+        if c.lr_rule != "none" or c.stage == "control":
+            by_b.setdefault(c.b_train, []).append(c)
+    for b, cs in sorted(by_b.items()):
+        if len({c.b_gen for c in cs}) < 2:
+            continue
+        cs = sorted(cs, key=lambda c: c.b_gen)
+        pts = tuple(GenPoint(b_gen=c.b_gen, q=sum(c.q_run) / len(c.q_run), q_gen=0.0, lag_mean=0.0, source=c.label)
+                    for c in cs)
+        crit = int(critical_generation_batch([p.b_gen for p in pts], [p.q for p in pts], delta))
+        out.append(GenSweep(b_train=b, label=f"{b}", points=pts, b_kv=0, b_kv_source="not measured",
+                            critical_b_gen=crit, plateau=crit < pts[-1].b_gen, stop_reason="the runs given"))
+    return out

@@ -1,0 +1,100 @@
+"""Stage 1 of Algorithm 1: sample-matched learning curves across B_train with the sqrt LR rule.
+
+Every candidate B_train runs with eta = eta0 * sqrt(B_train / B0) from the job's reference
+(B0 = the job's B_train, eta0 = its effective LR unless given), generation coupled (B_gen =
+B_train), the same response budget N_max (updates = ceil(N_max / B_train)) and evaluations on
+the same N grid (eval.every_responses). Runs go seed-major (every candidate of seed 0, then of
+seed 1, ...) so a drift in machine load spreads over all candidates instead of one. The optional
+fixed-LR control runs the largest B_train at eta0 with no rule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from rlengine.config import ConfigError
+from rlengine.tune.curves import candidate_stats, group_curves, lr_effective
+from rlengine.tune.types import RunCurve, RunPlan, Stage1Result, TuneSpec
+
+Runner = Callable[[RunPlan], "RunCurve | None"]
+
+
+def reference(spec: TuneSpec) -> tuple[int, float]:
+    """(B0, eta0): the spec's, else the job's B_train and the LR the job actually uses there."""
+    train = spec.job["train"]
+    return spec.b0 or int(train["b_train"]), spec.eta0 or lr_effective(train)
+
+
+def budgets(spec: TuneSpec) -> tuple[int, int]:
+    """(N_max, eval.every_responses) of every curve."""
+    train = spec.job["train"]
+    n_max = spec.n_max or int(train["updates"]) * int(train["b_train"])
+    return n_max, spec.eval_every or max(spec.b_train)
+
+
+def candidate_batches(spec: TuneSpec) -> list[int]:
+    """The candidate B_train values, sorted, with B0 added when missing (the reference is measured)."""
+    g = int(spec.job["train"]["group_size"])
+    b0, _ = reference(spec)
+    batches = sorted(set(spec.b_train) | {b0})
+    bad = [b for b in batches if b % g]
+    if bad:
+        raise ConfigError(f"tune: B_train {bad} not divisible by the job's group size G={g} (B_train = P*G)")
+    return batches
+
+
+def curve_overrides(spec: TuneSpec, b_train: int, *, rule: str = "sqrt", b_gen: int = 0,
+                    num_kv_blocks: int = 0) -> tuple:
+    """The overrides of one sample-matched curve at b_train: coupled unless b_gen is given, the
+    engine's own KV pool unless num_kv_blocks is (stage 2 under --kv-bytes)."""
+    b0, eta0 = reference(spec)
+    n_max, every = budgets(spec)
+    over = (("train.b_train", b_train), ("train.b0", b0), ("train.lr", eta0), ("train.lr_rule", rule),
+            ("train.updates", math.ceil(n_max / b_train)), ("gen.b_gen", b_gen or b_train),
+            ("eval.every_responses", every))
+    return over + ((("gen.num_kv_blocks", num_kv_blocks),) if num_kv_blocks else ())
+
+
+def plan_stage1(spec: TuneSpec) -> list[RunPlan]:
+    """Runs of stage 1, seed-major: each candidate (label str(B)) and the fixed-LR control ("B fixed")."""
+    batches = candidate_batches(spec)
+    plans = []
+    for seed in spec.seeds:
+        for b in batches:
+            plans.append(RunPlan(name=f"s1-b{b}-s{seed}", stage="stage1", label=f"{b}", seed=seed,
+                                 overrides=curve_overrides(spec, b), target_j=_stop(spec)))
+        if spec.fixed_lr:
+            b = max(batches)
+            plans.append(RunPlan(name=f"ctl-b{b}-fixed-s{seed}", stage="control", label=f"{b} fixed", seed=seed,
+                                 overrides=curve_overrides(spec, b, rule="none"), target_j=_stop(spec)))
+    return plans
+
+
+def _stop(spec: TuneSpec) -> float | None:
+    return spec.target_j if spec.stop_at_target else None
+
+
+def run_stage1(spec: TuneSpec, runner: Runner, notes: list[str]) -> Stage1Result:
+    """Execute stage 1 (skipping what the budget does not allow) and summarise each configuration."""
+    curves: list[RunCurve] = []
+    for plan in plan_stage1(spec):
+        curve = runner(plan)
+        if curve is None:
+            notes.append(f"stage 1: {plan.label} seed {plan.seed} not run (time budget spent)")
+            continue
+        if curve.eval_j[0] >= spec.target_j:
+            raise ConfigError(f"tune: J = {curve.eval_j[0]:.3f} already reaches J* = {spec.target_j} at N = 0 "
+                              f"({plan.label}, seed {plan.seed}); choose a higher --target-j")
+        curves.append(curve)
+    b0, eta0 = reference(spec)
+    n_max, every = budgets(spec)
+    main = [c for c in curves if c.stage == "stage1" and c.update_n]
+    window = min((c.update_n[-1] for c in main), default=0.0)
+    cands = tuple(candidate_stats(cs, spec.target_j, window) for cs in group_curves(curves).values())
+    for c in cands:
+        if not c.all_reached:
+            notes.append(f"stage 1: {c.label} reached J* = {spec.target_j} on {c.reached}/{len(c.hits)} seeds "
+                         f"within N_max = {n_max}")
+    return Stage1Result(reference=f"{b0}", b0=b0, eta0=eta0, n_max=n_max, eval_every=every, candidates=cands,
+                        curves=tuple(curves), grad_window=window)
