@@ -184,3 +184,15 @@ def test_decode_graphs_are_recaptured_when_parameter_storage_moves(tmp_path):
     rec = tr.train_step()
     assert tr.graph_recaptures == 2 and tr.llm.runner.graphs is not first
     assert tr.llm.runner.graphs.graph_cls is StaticReplay and rec["gen_tokens"] > 0
+
+
+def test_asymmetry_bench_on_two_ranks_prints_per_rank_and_node_rows(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "rlengine", "bench", "asymmetry", "--nproc", "2", "--model", "tiny",
+                        "--batches", "8,16", "--gen-len", "8", "--out", str(tmp_path)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "per rank (2 ranks" in r.stdout and "node (global):" in r.stdout
+    rows = json.loads((tmp_path / "asymmetry.json").read_text())["rows"]
+    for row in rows:
+        assert len(row["t_gen_ranks"]) == 2 and sum(row["responses_ranks"]) == row["b"]
+        assert row["t_gen"] >= min(row["t_gen_ranks"])  # the node waits for its slowest rank

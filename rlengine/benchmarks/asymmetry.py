@@ -22,7 +22,9 @@ Writes asymmetry.json rows {b, responses, t_gen, t_train, q_gen, ...} that tools
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -35,6 +37,7 @@ from rlengine.engine import LLM, SamplingParams
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.batching import grpo_batch
 from rlengine.rl.config import TrainSection
+from rlengine.rl.distributed import Dist, init_from_env
 from rlengine.rl.learner import Learner
 from rlengine.rl.rollout import RolloutGroup
 from rlengine.telemetry.profiler import ProfileWindow, step_profiler
@@ -69,12 +72,19 @@ def _groups(outs, G: int) -> list[RolloutGroup]:
     return groups
 
 
-def _one(args, llm: LLM, learner: Learner, b: int, rep: int, profiler=None) -> dict:
-    """One timed repetition: collect B responses, one update. With a profiler: stepwise, for the trace."""
+def _one(args, llm: LLM, learner: Learner, b: int, rep: int, profiler=None, dist: Dist | None = None) -> dict:
+    """One timed repetition: collect B responses, one update. With a profiler: stepwise, for the trace.
+    Several ranks: prompt j of the B/G goes to rank j mod K; the update is one DDP step over all."""
     prompts, params = _requests(args, llm.config.vocab_size, b, rep)
+    if dist is not None and dist.enabled:
+        per_prompt = 1 if args.length_dist == "fixed" else args.group_size  # requests per prompt
+        mine = [i for i in range(len(prompts)) if (i // per_prompt) % dist.world == dist.rank]
+        prompts, params = [prompts[i] for i in mine], [params[i] for i in mine]
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    if profiler is None:
+    if not prompts:
+        outs = []
+    elif profiler is None:
         outs = llm.generate(prompts, params)
     else:  # the same requests through the step API, so the profiler sees engine steps
         ids = [llm.add_request(p, q) for p, q in zip(prompts, params)]
@@ -93,7 +103,14 @@ def _one(args, llm: LLM, learner: Learner, b: int, rep: int, profiler=None) -> d
     t_train = time.perf_counter() - t1
     if profiler is not None:
         profiler.step()
-    return {"t_gen": t_gen, "t_train": t_train, "tokens": sum(len(g) for gr in groups for g in gr.completions)}
+    tokens = sum(len(g) for gr in groups for g in gr.completions)
+    out = {"t_gen": t_gen, "t_train": t_train, "tokens": tokens}
+    if dist is not None and dist.enabled:  # the slowest rank gates the node; q_gen sums over ranks
+        ranks = dist.all_gather_objects((t_gen, t_train, sum(len(g.completions) for g in groups)))
+        out = {"t_gen": max(r[0] for r in ranks), "t_train": max(r[1] for r in ranks),
+               "tokens": dist.all_sum([tokens])[0], "t_gen_ranks": [r[0] for r in ranks],
+               "t_train_ranks": [r[1] for r in ranks], "responses_ranks": [r[2] for r in ranks]}
+    return out
 
 
 def _fits(rows: list[dict]) -> dict:
@@ -141,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="CPU: torch.set_num_threads")
     p.add_argument("--profile", default=None, metavar="DIR", help="trace one untimed repetition at the largest B")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--nproc", type=int, default=None, metavar="K",
+                   help="K ranks on this node (torchrun, one device each): per-rank and node-level rows")
     args = p.parse_args(argv)
+    if args.nproc is not None and "WORLD_SIZE" not in os.environ:
+        return _launch(args.nproc, list(argv if argv is not None else sys.argv[1:]))
+    dist = init_from_env()
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(x) for x in args.batches.split(",")]
@@ -150,26 +172,44 @@ def main(argv: list[str] | None = None) -> int:
     bad = [b for b in batches if b % args.group_size]
     if bad:
         raise SystemExit(f"--batches {bad} are not multiples of --group-size {args.group_size}")
-    model = Qwen3ForCausalLM(preset(args.model), device=args.device, dtype=DTYPES[args.dtype])
+    device = f"cuda:{dist.local_rank}" if args.device == "cuda" and dist.enabled else args.device
+    model = Qwen3ForCausalLM(preset(args.model), device=device, dtype=DTYPES[args.dtype])
     max_len = args.prompt_len + (args.gen_len if args.length_dist == "fixed" else 3 * args.gen_len) + 1
     learner = Learner(model, TrainSection(prompts_per_step=max(batches) // args.group_size,
-                                          group_size=args.group_size, lr=1e-9))
+                                          group_size=args.group_size, lr=1e-9), dist=dist)
     rows, llm = [], None
     for b in batches:
         llm = LLM(model, max_num_seqs=b, attention_backend=args.backend, max_model_len=max_len, seed=b)
         llm.capture_decode_graphs()  # GPU: outside the timed region (no-op without CUDA graphs)
-        _one(args, llm, learner, b, rep=-1)  # warm-up of this B: engine, graphs, optimizer state
-        runs = [_one(args, llm, learner, b, r) for r in range(args.reps)]
+        _one(args, llm, learner, b, rep=-1, dist=dist)  # warm-up of this B: engine, graphs, optimizer state
+        runs = [_one(args, llm, learner, b, r, dist=dist) for r in range(args.reps)]
         t_gen, t_train = statistics.median(r["t_gen"] for r in runs), statistics.median(r["t_train"] for r in runs)
         rows.append({"b": b, "responses": b, "t_gen": t_gen, "t_train": t_train, "q_gen": b / t_gen,
                      "q": b / (t_gen + t_train), "mean_response_len": statistics.fmean(r["tokens"] for r in runs) / b,
                      "t_gen_reps": [r["t_gen"] for r in runs], "t_train_reps": [r["t_train"] for r in runs]})
+        if dist.enabled:  # per rank: median over reps of its own phase times and responses / t_gen
+            med = [statistics.median(r["t_gen_ranks"][k] for r in runs) for k in range(dist.world)]
+            resp = runs[0]["responses_ranks"]
+            rows[-1].update(ranks=dist.world, t_gen_ranks=med, responses_ranks=resp,
+                            t_train_ranks=[statistics.median(r["t_train_ranks"][k] for r in runs)
+                                           for k in range(dist.world)],
+                            q_gen_ranks=[n / t if t > 0 else 0.0 for n, t in zip(resp, med)])
     ref = rows[0]
     for r in rows:
         r.update(t_gen_ratio=r["t_gen"] / ref["t_gen"], q_gen_ratio=r["q_gen"] / ref["q_gen"],
                  t_train_ratio=r["t_train"] / ref["t_train"], responses_ratio=r["b"] / ref["b"])
     fit = _fits(rows)
     b_crit = critical_generation_batch([r["b"] for r in rows], [r["q_gen"] for r in rows], args.delta)
+    if not dist.is_main:
+        dist.close()
+        return 0
+    if dist.enabled:
+        print(f"per rank ({dist.world} ranks; the node row below takes the slowest rank's t_gen / t_train):")
+        print(format_table([{"b": r["b"], "rank": k, "responses": r["responses_ranks"][k],
+                             "t_gen": r["t_gen_ranks"][k], "t_train": r["t_train_ranks"][k],
+                             "q_gen": r["q_gen_ranks"][k]} for r in rows for k in range(dist.world)],
+                           ["b", "rank", "responses", "t_gen", "t_train", "q_gen"]))
+        print("node (global):")
     print(f"model={args.model} dtype={args.dtype} device={args.device} G={args.group_size} prompt={args.prompt_len} "
           f"gen={args.gen_len} ({args.length_dist}) reps={args.reps} threads={torch.get_num_threads()}")
     print(format_table(rows, COLUMNS))
@@ -185,5 +225,24 @@ def main(argv: list[str] | None = None) -> int:
                  critical_generation_batch=b_crit, delta=args.delta, conditions={
                      "model": args.model, "dtype": args.dtype, "group_size": args.group_size,
                      "prompt_len": args.prompt_len, "gen_len": args.gen_len, "length_dist": args.length_dist,
-                     "reps": args.reps, "warmup": "one untimed repetition per B; one learner for the sweep"})
+                     "reps": args.reps, "warmup": "one untimed repetition per B; one learner for the sweep",
+                     "ranks": dist.world})
+    dist.close()
+    return 0
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """--nproc K: the same command on K ranks through torch's elastic launcher (what torchrun runs)."""
+    from torch.distributed.run import get_args_parser, run
+
+    rest, skip = [], False
+    for a in argv:  # drop --nproc K / --nproc=K
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    run(get_args_parser().parse_args(["--nproc-per-node", str(nproc), "--standalone", "-m", "rlengine",
+                                      "bench", "asymmetry", *rest]))
     return 0
