@@ -76,6 +76,8 @@ def test_two_ranks_reproduce_one_process_token_for_token(tmp_path):
     _same_run(_metrics(tmp_path / "two"), _metrics(tmp_path / "one"))
     two = _metrics(tmp_path / "two")[1]
     assert len(two["t_gen_ranks"]) == 2 and two["t_gen"] == max(two["t_gen_ranks"])
+    telemetry = json.loads((tmp_path / "two" / "telemetry.json").read_text())
+    assert len(telemetry["ranks"]) == 2  # each rank's own device, gathered by rank 0
 
 
 def test_resume_on_two_ranks_and_on_one(tmp_path):

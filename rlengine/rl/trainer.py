@@ -258,15 +258,20 @@ class Trainer:
         return self.update % e.every == 0
 
     def _write_telemetry(self) -> None:
-        """Per-phase GPU telemetry (or why there is none) to RUN_DIR/telemetry.json (rank 0)."""
-        if not self.dist.is_main:
-            return
+        """Per-phase GPU telemetry (or why there is none) to RUN_DIR/telemetry.json. Every rank samples
+        its own device; rank 0 gathers them and writes one file (its own summary at the top level,
+        every rank's under "ranks")."""
         steps = [r for r in self.history if r["update"] > 0]
         summary = self.telemetry.summary(responses=sum(self.cfg.train.b_train for _ in steps),
                                          tokens=sum(r.get("gen_tokens", 0) for r in steps))
-        print(summary.format())
         payload = {"available": summary.available, "reason": summary.reason,
                    "phases": {k: dataclasses.asdict(v) for k, v in summary.phases.items()}}
+        ranks = self.dist.all_gather_objects(json.loads(json.dumps(payload, default=str)))
+        if not self.dist.is_main:
+            return
+        print(summary.format())
+        if self.dist.enabled:
+            payload["ranks"] = ranks
         (self.run_dir / "telemetry.json").write_text(json.dumps(payload, indent=2, default=str))
 
     def _log(self, record: dict) -> None:
