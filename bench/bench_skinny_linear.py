@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import rlengine.model.qwen3 as qwen3
+from rlengine.model import ops
 from rlengine import LLM, SamplingParams, _ext
 from rlengine.config import preset
 
@@ -41,7 +42,7 @@ def _shapes(name: str) -> dict[str, tuple[int, int]]:
 
 
 def _decode_ab(dtypes: list[str], batches: list[int], reps: int) -> list[dict]:
-    """Engine decode step time with the skinny linear on vs off (qwen3._SKINNY), alternating."""
+    """Engine decode step time with the skinny linear on vs off (ops.SKINNY), alternating."""
     rows = []
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     for dname in dtypes:
@@ -52,12 +53,12 @@ def _decode_ab(dtypes: list[str], batches: list[int], reps: int) -> list[dict]:
             ms = {True: [], False: []}
             for rep in range(reps + 1):
                 for on in (True, False):
-                    qwen3._SKINNY = on
+                    ops.SKINNY = on
                     trace = llm.generate(prompts, params).trace
                     steps = [r.seconds for r in trace if r.kind == "decode"]
                     if rep:  # the first round is warm-up
                         ms[on].append(1e3 * sum(steps) / len(steps))
-            qwen3._SKINNY = _ext.has_op("skinny_linear")
+            ops.SKINNY = _ext.has_op("skinny_linear")
             on, off = sorted(ms[True])[len(ms[True]) // 2], sorted(ms[False])[len(ms[False]) // 2]
             rows.append({"model": "qwen3-30m", "proj": "decode step", "dtype": dname, "B": B, "torch_us": 1e3 * off,
                          "skinny_us": 1e3 * on, "speedup": off / on})

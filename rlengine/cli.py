@@ -36,7 +36,8 @@ def _cmd_info(args) -> int:
         return 0
 
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
-    print(f"C++ extension: {'built' if _ext.AVAILABLE else 'not built (' + str(_ext.LOAD_ERROR) + ')'}")
+    for line in _ext.status_lines():  # both extensions, with the recorded build error of a failed one
+        print(line)
     if _ext.AVAILABLE:
         cuda_ops = [op for op in _ext.CPP_OPS if _ext.has_cuda_op(op)]
         print(f"  CPU ops: {', '.join(op for op in _ext.CPP_OPS if _ext.has_op(op))}")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from rlengine.analysis.memory_plan import plan_for_config
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.factory import build_model, default_device, tokenizer_for
 from rlengine.model.qwen3 import Qwen3ForCausalLM
@@ -81,9 +82,20 @@ class Trainer:
         backend = "torch" if g.backend == "auto" and cfg.model.dtype == "float64" else g.backend  # fp64: the oracle
         common = dict(block_size=g.block_size, max_model_len=min(max_len, self.model.config.max_position_embeddings),
                       attention_backend=backend, enforce_eager=g.enforce_eager)
-        self.llm = LLM(self.model, max_num_seqs=g.b_gen, num_kv_blocks=g.num_kv_blocks or None, seed=cfg.run.seed,
+        eval_seqs = min(256, cfg.task.num_eval * cfg.eval.k)
+        num_kv_blocks, self.memory_plan = g.num_kv_blocks or None, None
+        if num_kv_blocks is None and self.model.device.type == "cuda":
+            # one plan per device: training state + the learner's activations + a reserve; KV from the rest
+            total = torch.cuda.get_device_properties(self.model.device).total_memory
+            self.memory_plan = plan_for_config(cfg, device_bytes=total, max_model_len=common["max_model_len"],
+                                               world_size=self.dist.world)
+            num_kv_blocks = self.memory_plan.num_kv_blocks
+        elif num_kv_blocks is None:  # CPU: room for either engine at full length
+            num_kv_blocks = max(g.b_gen, eval_seqs) * -(-common["max_model_len"] // g.block_size)
+        self.llm = LLM(self.model, max_num_seqs=g.b_gen, num_kv_blocks=num_kv_blocks, seed=cfg.run.seed,
                        record_routing=g.record_routing, **common)
-        self.eval_llm = LLM(self.model, max_num_seqs=min(256, cfg.task.num_eval * cfg.eval.k), seed=cfg.run.seed + 1,
+        # the eval engine shares the rollout engine's KV pool: one cache per device, never a second one
+        self.eval_llm = LLM(self.model, max_num_seqs=eval_seqs, seed=cfg.run.seed + 1, kv_pool=self.llm.kv_pool,
                             **common)
         self.sampler = PrioritySampler(len(self.task.train), cfg.run.seed, enabled=t.priority_sampling)
         if g.filtered and g.logprobs_mode == "raw":

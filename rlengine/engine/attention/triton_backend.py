@@ -34,7 +34,9 @@ class TritonBackend(AttentionBackend):
 
         self._pd = pd
         device = kv_cache.data.device
-        self.workspace = pd.alloc_workspace(max_num_seqs, num_heads, head_dim, pd.MAX_SPLITS, device)
+        # sized to the most splits the kernel's heuristic can pick for this many KV heads
+        self.workspace = pd.alloc_workspace(max_num_seqs, num_heads, head_dim, pd.MAX_SPLITS, device,
+                                            num_kv_heads=kv_cache.data.shape[4])
         self.out = torch.empty(max_num_seqs, num_heads, head_dim, dtype=kv_cache.data.dtype, device=device)
 
     def decode(self, layer_id, q_BHD, k_cache, v_cache):
