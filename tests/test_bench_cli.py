@@ -18,8 +18,8 @@ def test_asymmetry_bench_runs_and_fits(tmp_path, capsys, monkeypatch):
     learners, calls = [], []
     real_learner, real_one = asymmetry.Learner, asymmetry._one
     monkeypatch.setattr(asymmetry, "Learner", lambda *a, **k: learners.append(1) or real_learner(*a, **k))
-    monkeypatch.setattr(asymmetry, "_one", lambda args, llm, learner, b, rep, profiler=None:
-                        calls.append((b, rep)) or real_one(args, llm, learner, b, rep, profiler))
+    monkeypatch.setattr(asymmetry, "_one", lambda args, llm, learner, b, rep, profiler=None, dist=None:
+                        calls.append((b, rep)) or real_one(args, llm, learner, b, rep, profiler, dist))
     assert asymmetry.main(["--model", "tiny", "--batches", "8,16,32", "--gen-len", "4", "--reps", "1",
                            "--length-dist", "uniform", "--out", str(tmp_path), "--profile", str(tmp_path)]) == 0
     assert len(learners) == 1                                   # one optimizer: no state allocation when timed
