@@ -184,11 +184,7 @@ def write_report(result: TuneResult, out_dir: str | Path) -> Path:
     md += ["", "## Confirmation: chosen vs the job on fresh seeds", "", _confirm_md(result), "",
            "## Gradient norm against B_train", "", _grad_lines(s1.candidates, s1.grad_window), "",
            slopes_markdown(fits), "", "## Notes", ""]
-    md += [f"- {n}" for n in result.notes] or ["- none"]
-    md += ["", figures, ""]
-    path = out_dir / "report.md"
-    path.write_text("\n".join(md))
-    return path
+    return _write_md(md, result.notes, figures, out_dir)
 
 
 def _clock(result: TuneResult) -> str:
@@ -227,7 +223,12 @@ def write_runs_report(result: RunsReport, out_dir: str | Path) -> Path:
           sweeps_markdown(result.sweeps) if result.sweeps else "", "", _grad_lines(result.candidates,
                                                                                    result.grad_window), "",
           slopes_markdown(fits), "", "## Notes", ""]
-    md += [f"- {n}" for n in result.notes] or ["- none"]
+    return _write_md(md, result.notes, figures, out_dir)
+
+
+def _write_md(md: list[str], notes: list[str], figures: str, out_dir: Path) -> Path:
+    """The notes and figure links that end every report, then out_dir/report.md."""
+    md += [f"- {n}" for n in notes] or ["- none"]
     md += ["", figures, ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(md))
