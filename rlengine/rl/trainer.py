@@ -227,8 +227,13 @@ class Trainer:
         return record
 
     # ---- the loop -----------------------------------------------------------------------------
-    def run(self, stop_after: int | None = None) -> list[dict]:
-        """Train until train.updates (or `stop_after` updates, for tests); checkpoint at the end."""
+    def run(self, stop_after: int | None = None, stop_when=None) -> list[dict]:
+        """Train until train.updates (or `stop_after` updates, for tests); checkpoint at the end.
+
+        stop_when(record) -> bool, checked after each logged update, ends the run early (e.g. the
+        tuner stops a curve at its first evaluation with J >= J*); self.stopped_early says so.
+        """
+        self.stopped_early = False
         cfg = self.cfg
         last = min(cfg.train.updates, stop_after) if stop_after else cfg.train.updates
         if self.update == 0:
@@ -249,6 +254,9 @@ class Trainer:
                     record["eval_reward_errors"] = self.eval_reward_errors
                 self._log(record)
                 bar.advance(record)
+                if stop_when is not None and stop_when(record):
+                    self.stopped_early = True
+                    break
                 if cfg.run.checkpoint_every and self.update % cfg.run.checkpoint_every == 0:
                     self.checkpoint()
                 profiler.step()  # one profiler step = one RL update (collect, update, eval, log)

@@ -64,23 +64,6 @@ def cpu_phase_timer(device):
     return CpuPhaseTimer(device)
 
 
-class _ReachedTarget(Exception):
-    """Raised by _StopAtTarget after logging the first record with J >= J*."""
-
-
-def _stop_at_target_trainer(target_j: float):
-    from rlengine.rl.trainer import Trainer
-
-    class _StopAtTarget(Trainer):
-        def _log(self, record: dict) -> None:
-            super()._log(record)
-            j = record.get("J")
-            if j is not None and record["update"] > 0 and j >= target_j:
-                raise _ReachedTarget
-
-    return _StopAtTarget
-
-
 def plan_config(job: dict, plan: RunPlan, run_dir: Path) -> TrainConfig:
     """The validated TrainConfig of `plan`: the job dict with the plan's overrides and its directory."""
     d = copy.deepcopy(job)
@@ -159,16 +142,13 @@ class TrainerRunner:
         from rlengine.rl.trainer import Trainer
 
         load0, t0, cpu0 = _load(), time.perf_counter(), time.process_time()
-        cls = _stop_at_target_trainer(plan.target_j) if plan.target_j is not None else Trainer
-        trainer = cls(cfg)
+        trainer = Trainer(cfg)
         if self.clock == "cpu":
             trainer.timer = cpu_phase_timer(trainer.model.device)  # read by train_step for t_gen / t_train
-        stopped = False
-        try:
-            trainer.run()
-        except _ReachedTarget:
-            stopped = True
-            trainer.telemetry.stop()
+        target = plan.target_j
+        trainer.run(stop_when=None if target is None else
+                    lambda r: r["update"] > 0 and r.get("J") is not None and r["J"] >= target)
+        stopped = trainer.stopped_early
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         load = (load0, _load())
         engine = engine_facts(trainer.llm)
