@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlengine.model.loader import CheckpointError, load_pretrained, save_pretrained
+from rlengine.rl.distributed import full_tensor
 
 # The points of save_checkpoint at which `on_stage` is called, in order (crash tests kill there).
 STAGES = (
@@ -33,11 +34,6 @@ STAGES = (
     "before-pointer",  # <name>/ is in place and latest.tmp fsynced; `latest` still names the old checkpoint
     "after-pointer",   # `latest` names <name>/; superseded directories not yet removed
 )
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor: FSDP's DTensor shards are all-gathered (a collective: every rank calls it)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -52,7 +48,7 @@ def _like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: _full(v.detach()).cpu().contiguous() for k, v in tensors.items()}
+    return {k: full_tensor(v.detach()).cpu().contiguous() for k, v in tensors.items()}
 
 
 def _unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -68,7 +64,7 @@ def _unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _optim_to_files(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict, dict]:
     sd = opt.state_dict()
-    tensors = {f"{prefix}.{i}.{k}": _full(v.detach()).cpu().contiguous()
+    tensors = {f"{prefix}.{i}.{k}": full_tensor(v.detach()).cpu().contiguous()
                for i, st in sd["state"].items() for k, v in st.items() if torch.is_tensor(v)}
     return tensors, {"param_groups": sd["param_groups"], "state_keys": {str(i): list(st) for i, st in sd["state"].items()}}
 

@@ -253,8 +253,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML ({exc})") from None
-    args = list(overrides or [])
-    i = 0
+    for key, value in _split_overrides(overrides or []):
+        section, name = key.split(".", 1)
+        data.setdefault(section, {})[name] = _parse_value(value)
+    return TrainConfig.from_dict(data)
+
+
+def _split_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """["--a.b", "1", "--c.d=x"] -> [("a.b", "1"), ("c.d", "x")]; malformed ones are ConfigErrors."""
+    pairs, i = [], 0
     while i < len(args):
         key = args[i]
         _check(key.startswith("--") and "." in key, f"override {key!r} must look like --section.key VALUE")
@@ -265,28 +272,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             _check(i + 1 < len(args), f"override --{key} needs a value")
             i += 1
             value = args[i]
-        section, name = key.split(".", 1)
-        data.setdefault(section, {})[name] = _parse_value(value)
+        pairs.append((key, value))
         i += 1
-    return TrainConfig.from_dict(data)
+    return pairs
 
 
 # Overrides a resumed run accepts: they change how long it runs, how it is evaluated, logged and
 # saved, never what an update computes. Any other override on --resume is an error.
 RESUME_OVERRIDABLE = ("train.updates", "eval.*", "run.checkpoint_every", "run.progress", "run.out_dir")
-
-
-def _override_keys(overrides: list[str]) -> list[str]:
-    """The dotted keys named in an override list (values skipped)."""
-    keys, i = [], 0
-    while i < len(overrides):
-        key = overrides[i]
-        if key.startswith("--") and "." in key:
-            keys.append(key[2:].split("=", 1)[0])
-            if "=" not in key:
-                i += 1
-        i += 1
-    return keys
 
 
 def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:
@@ -302,7 +295,7 @@ def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> Tr
     if not saved.is_file():
         raise ConfigError(f"--resume {run_dir}: no config.json there (not a run directory)")
     overrides = list(overrides or [])
-    for key in _override_keys(overrides):
+    for key, _ in _split_overrides(overrides):
         section = key.split(".", 1)[0]
         _check(key in RESUME_OVERRIDABLE or f"{section}.*" in RESUME_OVERRIDABLE,
                f"--{key} cannot change on --resume (it would change what the run computes); "

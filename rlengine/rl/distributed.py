@@ -125,6 +125,11 @@ def init_from_env(timeout_s: float = 300.0) -> Dist:
     return Dist(rank=rank, world=world, local_rank=local, backend=backend)
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: an FSDP DTensor is all-gathered (a collective: every rank calls it), others pass."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _fsdp_modules(root: nn.Module) -> list:
     from torch.distributed.fsdp import FSDPModule
 

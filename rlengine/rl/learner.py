@@ -15,6 +15,7 @@ result into the shared parameters in place (rlengine/rl/optim.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -25,7 +26,7 @@ from rlengine.rl.advantages import gae
 from rlengine.rl.batching import TrainBatch
 from rlengine.rl.config import TrainSection
 from rlengine.rl.losses import kl_k3, masked_aggregate, policy_loss, value_loss
-from rlengine.rl.distributed import Dist
+from rlengine.rl.distributed import Dist, full_tensor
 from rlengine.rl.optim import LearnerOptimizer, use_master_weights
 from rlengine.rl.value import ValueModel
 from rlengine.telemetry.nvtx import PhaseRanges
@@ -86,12 +87,27 @@ class Learner:
         self.ranges = PhaseRanges.for_device(model.device)  # learner.forward-backward / learner.optimizer
         self.optim = LearnerOptimizer(model.parameters(), lr=cfg.lr_effective, betas=cfg.betas,
                                       weight_decay=cfg.weight_decay, masters=masters)
-        self.opt, self.master_params = self.optim.opt, self.optim.master_params
-        self.critic_opt = self.critic_optim = self.critic_master_params = None
+        self.critic_optim = None
         if self.critic is not None:
             self.critic_optim = LearnerOptimizer(self.critic.parameters(), lr=cfg.lr_effective * cfg.critic_lr_mult,
                                                  betas=cfg.betas, weight_decay=cfg.weight_decay, masters=masters)
-            self.critic_opt, self.critic_master_params = self.critic_optim.opt, self.critic_optim.master_params
+
+    # What checkpoints save: the torch optimizers and the fp32 masters (None without them).
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        return self.optim.opt
+
+    @property
+    def master_params(self) -> list[torch.Tensor] | None:
+        return self.optim.master_params
+
+    @property
+    def critic_opt(self) -> torch.optim.Optimizer | None:
+        return None if self.critic_optim is None else self.critic_optim.opt
+
+    @property
+    def critic_master_params(self) -> list[torch.Tensor] | None:
+        return None if self.critic_optim is None else self.critic_optim.master_params
 
     def _parallelize(self):
         """Wrap for the parallel mode; returns the modules the learner calls (actor, critic)."""
@@ -161,13 +177,14 @@ class Learner:
         return values_T, ret_T
 
     # ---- the update -------------------------------------------------------------------------
-    def _normalizer(self, batch: TrainBatch) -> float:
-        """The loss normaliser over the GLOBAL batch (all ranks): valid tokens, or valid sequences."""
-        if self.cfg.agg == "token-mean":
-            local = float(batch.loss_mask.sum())
-        else:
-            local = float(len({int(s) for s in batch.seq_ids[batch.loss_mask > 0].tolist()}))
-        return self.dist.all_sum([local])[0]
+    def _global_counts(self, batch: TrainBatch) -> tuple[float, float]:
+        """(loss normaliser, valid tokens) over the GLOBAL batch (all ranks, one reduction): the
+        normaliser is the valid-token count (token-mean) or the valid-sequence count (seq-mean)."""
+        tokens = float(batch.loss_mask.sum())
+        seqs = tokens if self.cfg.agg == "token-mean" else float(
+            len({int(s) for s in batch.seq_ids[batch.loss_mask > 0].tolist()}))
+        seqs, tokens = self.dist.all_sum([seqs, tokens])
+        return seqs, max(1.0, tokens)
 
     def _set_replay(self, mb: TrainBatch | None) -> None:
         for i, block in enumerate(self.model.moe_blocks()):
@@ -193,10 +210,9 @@ class Learner:
         if self.critic is not None:
             self.critic_optim.zero_grad()
             old_values, returns = self.ppo_advantages(batch)
-        norm = self._normalizer(batch)
+        norm, ntok = self._global_counts(batch)
         sums = {"clip_frac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0, "logprob_diff": 0.0,
                 "loss": 0.0, "value_loss": 0.0, "routing_disagreement": 0.0}
-        ntok = max(1.0, self.dist.all_sum([float(batch.loss_mask.sum())])[0])
         mbs = self._micro_batches(batch)
         start = 0
         for i, mb in enumerate(mbs):
@@ -266,8 +282,6 @@ class Learner:
     def _no_sync(self, *, last: bool):
         """DDP without master weights: gradients accumulate locally and are reduced once, at the last
         micro-batch. With masters every micro-batch is reduced (in fp32) before it moves into them."""
-        import contextlib
-
         if last or self.parallel != "ddp" or self.master_params is not None or not self.dist.enabled:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
@@ -292,10 +306,10 @@ class Learner:
 
     def _apply(self, metrics: dict, critic_only: bool) -> dict:
         """Clip, check for non-finite values, step the optimizer(s): the tail of step()."""
-        actor_norm = _full(torch.nn.utils.clip_grad_norm_(self.optim.grad_params, self.cfg.max_grad_norm))
+        actor_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.optim.grad_params, self.cfg.max_grad_norm))
         critic_norm = None
         if self.critic is not None:
-            critic_norm = _full(torch.nn.utils.clip_grad_norm_(self.critic_optim.grad_params, self.cfg.max_grad_norm))
+            critic_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.critic_optim.grad_params, self.cfg.max_grad_norm))
         finite = math.isfinite(metrics["loss"]) and (critic_only or math.isfinite(float(actor_norm))) and (
             critic_norm is None or math.isfinite(float(critic_norm)))
         metrics.update(actor_grad_norm=float(actor_norm) if not critic_only else None,
@@ -312,7 +326,3 @@ class Learner:
             self.critic_optim.step()
         return metrics
 
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (FSDP's global grad norm) as a plain tensor."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
