@@ -2,13 +2,16 @@
 // whose per-op dispatch cost dominates a small model's decode step at B_act = 1.
 //   silu_and_mul(x[..., 2F]) -> silu(x[..., :F]) * x[..., F:]
 //   fused_add_rms_norm(x, residual, w, eps): residual += x (in place), returns rms_norm(residual) * w
-//   qk_norm_rope(qkv[T, (H + 2Hkv) D], q_w[D], k_w[D], cos_sin[2, max_pos, D] fp32, positions[T], H, Hkv, eps)
-//       -> (q[T, H, D], k[T, Hkv, D]): per-head RMSNorm then rotate-half RoPE, as Hugging Face Qwen3 does.
+//   qk_norm_rope(qkv[T, (H + 2Hkv) D], q_w[D]?, k_w[D]?, cos_sin[2, max_pos, D] fp32, positions[T], H, Hkv, eps)
+//       -> (q[T, H, D], k[T, Hkv, D]): per-head RMSNorm then rotate-half RoPE, as Hugging Face Qwen3 does;
+//       q_w = k_w = None (Qwen2, Llama: no q/k norm) skips the norm. D is read from cos_sin.
 // Rounding follows the torch expressions they replace: intermediate results are rounded to the
 // input dtype where the reference rounds (identical in fp32).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <optional>
 
 namespace {
 
@@ -75,21 +78,28 @@ torch::Tensor fused_add_rms_norm(const torch::Tensor& x, torch::Tensor residual,
   return out;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, const torch::Tensor& q_w,
-                                                      const torch::Tensor& k_w, const torch::Tensor& cos_sin,
-                                                      const torch::Tensor& positions, int64_t H, int64_t Hkv,
-                                                      double eps) {
+std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, const std::optional<torch::Tensor>& q_w,
+                                                      const std::optional<torch::Tensor>& k_w,
+                                                      const torch::Tensor& cos_sin, const torch::Tensor& positions,
+                                                      int64_t H, int64_t Hkv, double eps) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2, "qk_norm_rope: qkv must be a CPU tensor [T, (H+2Hkv)*D]");
-  const int64_t D = q_w.size(0), T = qkv.size(0);
+  TORCH_CHECK(cos_sin.dim() == 3 && cos_sin.size(0) == 2 && cos_sin.scalar_type() == torch::kFloat &&
+                  cos_sin.is_contiguous(),
+              "qk_norm_rope: cos_sin must be contiguous fp32 [2, max_pos, D]");
+  const int64_t D = cos_sin.size(2), T = qkv.size(0);
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qk_norm_rope: qkv width ", qkv.size(1), " != (H + 2Hkv) * D = ",
               (H + 2 * Hkv) * D);
-  TORCH_CHECK(k_w.size(0) == D && D % 2 == 0, "qk_norm_rope: q_w and k_w must both be [D] with D even");
-  TORCH_CHECK(cos_sin.dim() == 3 && cos_sin.size(0) == 2 && cos_sin.size(2) == D &&
-                  cos_sin.scalar_type() == torch::kFloat && cos_sin.is_contiguous(),
-              "qk_norm_rope: cos_sin must be contiguous fp32 [2, max_pos, D]");
+  TORCH_CHECK(q_w.has_value() == k_w.has_value(), "qk_norm_rope: q_w and k_w must both be given or both be None");
+  const bool norm = q_w.has_value();
+  TORCH_CHECK(D % 2 == 0, "qk_norm_rope: head_dim D = cos_sin.size(2) must be even, got ", D);
+  TORCH_CHECK(!norm || (q_w->dim() == 1 && q_w->size(0) == D && k_w->dim() == 1 && k_w->size(0) == D &&
+                        q_w->scalar_type() == qkv.scalar_type() && k_w->scalar_type() == qkv.scalar_type()),
+              "qk_norm_rope: q_w and k_w must both be [D = ", D, "] in qkv's dtype");
   TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == torch::kLong,
               "qk_norm_rope: positions must be int64 [T]");
   auto qkvc = qkv.contiguous();
+  auto qwc = norm ? q_w->contiguous() : torch::Tensor();
+  auto kwc = norm ? k_w->contiguous() : torch::Tensor();
   auto q = torch::empty({T, H, D}, qkv.options());
   auto k = torch::empty({T, Hkv, D}, qkv.options());
   const int64_t max_pos = cos_sin.size(1), half = D / 2, W = qkv.size(1);
@@ -100,8 +110,8 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, 
   const float* cs = cos_sin.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, qkv.scalar_type(), "qk_norm_rope", [&] {
     const scalar_t* in = qkvc.data_ptr<scalar_t>();
-    const scalar_t* qw = q_w.data_ptr<scalar_t>();
-    const scalar_t* kw = k_w.data_ptr<scalar_t>();
+    const scalar_t* qw = norm ? qwc.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* kw = norm ? kwc.data_ptr<scalar_t>() : nullptr;
     scalar_t* qo = q.data_ptr<scalar_t>();
     scalar_t* ko = k.data_ptr<scalar_t>();
     at::parallel_for(0, T * (H + Hkv), 8, [&](int64_t b, int64_t e) {
@@ -110,7 +120,10 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, 
         const int64_t t = job / (H + Hkv), h = job % (H + Hkv);
         const bool is_q = h < H;
         const scalar_t* src = in + t * W + h * D;  // q heads then k heads are adjacent in qkv
-        norm_row(src, is_q ? qw : kw, normed, D, static_cast<float>(eps));
+        // Without q/k norm (Qwen2, Llama) the rotation reads the projection as is: a copy is exact,
+        // so the RoPE below rounds exactly as in the normed case.
+        if (norm) norm_row(src, is_q ? qw : kw, normed, D, static_cast<float>(eps));
+        else std::copy(src, src + D, normed);
         const float* cosr = cs + pos[t] * D;
         const float* sinr = cs + max_pos * D + pos[t] * D;
         scalar_t* dst = is_q ? qo + (t * H + h) * D : ko + (t * Hkv + (h - H)) * D;
@@ -133,7 +146,7 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, 
 TORCH_LIBRARY_FRAGMENT(rlengine, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor");
-  m.def("qk_norm_rope(Tensor qkv, Tensor q_w, Tensor k_w, Tensor cos_sin, Tensor positions, int H, int Hkv, "
+  m.def("qk_norm_rope(Tensor qkv, Tensor? q_w, Tensor? k_w, Tensor cos_sin, Tensor positions, int H, int Hkv, "
         "float eps) -> (Tensor, Tensor)");
 }
 

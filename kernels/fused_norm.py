@@ -10,6 +10,7 @@ no-grad fast path (qwen3.py) runs one code path on both devices:
   qk_norm_rope(qkv[T, (H+2Hkv)D], q_w, k_w, cos_sin[2, max_pos, D] fp32, positions[T], H, Hkv, eps)
                                                        -> q [T, H, D], k [T, Hkv, D]: per-head RMSNorm, then
                                                           rotate-half RoPE (Hugging Face Qwen3's order);
+                                                          q_w = k_w = None: RoPE only (Qwen2, Llama);
                                                           kv_cache=(k_cache, v_cache, slot_mapping) also
                                                           stores k and v in the paged cache (the decode
                                                           step's store_kvcache launch, folded in)
@@ -61,7 +62,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, F, stride_x, stride_o, BLOCK_F: tl.cons
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, slot_ptr,
                          stride_t, max_pos, eps,
-                         H: tl.constexpr, D: tl.constexpr, HALF_BLOCK: tl.constexpr, STORE_KV: tl.constexpr):
+                         H: tl.constexpr, D: tl.constexpr, HALF_BLOCK: tl.constexpr, NORM: tl.constexpr,
+                         STORE_KV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)          # 0..H-1: q heads, H..H+Hkv-1: k heads (adjacent in qkv)
     half = D // 2
@@ -70,11 +72,14 @@ def _qk_norm_rope_kernel(qkv_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, q_ptr, k_ptr,
     src = qkv_ptr + t * stride_t + h * D
     x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + offs, mask=mask, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
     is_q = h < H
-    w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
-    n1 = x1 * inv * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    n2 = x2 * inv * tl.load(w_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # Qwen3's per-head RMSNorm; Qwen2 and Llama rotate the projection as is
+        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+        w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
+        n1 = x1 * inv * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        n2 = x2 * inv * tl.load(w_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        n1, n2 = x1, x2
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos1 = tl.load(cs_ptr + pos * D + offs, mask=mask, other=0.0)
     cos2 = tl.load(cs_ptr + pos * D + half + offs, mask=mask, other=0.0)
@@ -145,29 +150,32 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], F)
 
 
-def qk_norm_rope(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos_sin: torch.Tensor,
+def qk_norm_rope(qkv: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, cos_sin: torch.Tensor,
                  positions: torch.Tensor, H: int, Hkv: int, eps: float, *,
                  kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm (q_w / k_w) and rotate-half RoPE of the q and k parts of qkv -> (q [T,H,D], k [T,Hkv,D]).
 
+    q_w = k_w = None skips the norm (Qwen2, Llama); D is cos_sin.shape[2].
     positions [T] int32/int64 must lie in [0, max_pos): not checked here (see the module docstring).
     kv_cache=(k_cache, v_cache, slot_mapping): contiguous [num_blocks, P, Hkv, D] caches in qkv's
     dtype and int64 slots [T] (-1 skips a token); the rotated k and the v part of qkv are also
     written in place to row slot of each cache, as store_kvcache would, in the same launch. Slots
     are not range-checked (no device assert, no sync): the engine builds them from its block tables."""
-    D = q_w.shape[0]
+    if cos_sin.dim() != 3 or cos_sin.shape[0] != 2 or cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
+        raise ValueError(f"qk_norm_rope: cos_sin must be contiguous fp32 [2, max_pos, D], got "
+                         f"{cos_sin.dtype} {tuple(cos_sin.shape)}")
+    D = cos_sin.shape[2]
     T = qkv.shape[0]
     if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * Hkv) * D or qkv.stride(1) != 1:
         raise ValueError(f"qk_norm_rope: qkv must be [T, (H + 2Hkv) * D] = [T, {(H + 2 * Hkv) * D}] with a "
                          f"contiguous last dim, got {tuple(qkv.shape)}")
-    if k_w.shape != (D,) or D % 2:
-        raise ValueError(f"qk_norm_rope: q_w and k_w must both be [D] with D even, got {tuple(q_w.shape)}, "
-                         f"{tuple(k_w.shape)}")
-    if cos_sin.dim() != 3 or cos_sin.shape[0] != 2 or cos_sin.shape[2] != D or cos_sin.dtype != torch.float32 \
-            or not cos_sin.is_contiguous():
-        raise ValueError(f"qk_norm_rope: cos_sin must be contiguous fp32 [2, max_pos, {D}], got "
-                         f"{cos_sin.dtype} {tuple(cos_sin.shape)}")
+    if (q_w is None) != (k_w is None):
+        raise ValueError("qk_norm_rope: q_w and k_w must both be given or both be None")
+    norm = q_w is not None
+    if D % 2 or (norm and (q_w.shape != (D,) or k_w.shape != (D,))):
+        raise ValueError(f"qk_norm_rope: q_w and k_w must both be [D] with D = {D} even, got "
+                         f"{None if q_w is None else tuple(q_w.shape)}, {None if k_w is None else tuple(k_w.shape)}")
     if positions.shape != (T,):
         raise ValueError(f"qk_norm_rope: positions must be [T={T}], got {tuple(positions.shape)}")
     if kv_cache is not None:
@@ -175,10 +183,12 @@ def qk_norm_rope(qkv: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos_si
     q = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(T, Hkv, D, dtype=qkv.dtype, device=qkv.device)
     k_cache, v_cache, slots = kv_cache if kv_cache is not None else (q, q, positions)  # placeholders: unused
+    q_w, k_w = (q_w, k_w) if norm else (qkv, qkv)  # placeholders: not read without NORM
     if T:
         _qk_norm_rope_kernel[(T, H + Hkv)](qkv, q_w, k_w, cos_sin, positions, q, k, k_cache, v_cache, slots,
                                            qkv.stride(0), cos_sin.shape[1], eps, H=H, D=D,
-                                           HALF_BLOCK=triton.next_power_of_2(D // 2), STORE_KV=kv_cache is not None)
+                                           HALF_BLOCK=triton.next_power_of_2(D // 2), NORM=norm,
+                                           STORE_KV=kv_cache is not None)
     return q, k
 
 

@@ -66,3 +66,47 @@ def save_hf_model(model, path: Path, **kwargs) -> Path:
 
 def all_configs():
     return [("dense", k, v) for k, v in DENSE_CONFIGS.items()] + [("moe", k, v) for k, v in MOE_CONFIGS.items()]
+
+
+# ---- Qwen2 / Qwen2.5 and Llama 3.x (tests/test_arch_parity.py) ---------------------------
+def _llama3_rope(theta: float, factor: float, low: float, high: float, original: int) -> dict:
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": original}
+
+
+ARCH_CONFIGS = {
+    # Qwen2: q/k/v biases, head_dim = hidden / heads = 12, GQA 4:2, tied embeddings
+    "qwen2_gqa_tied": ("qwen2", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=72, tie_word_embeddings=True, rope_theta=10000.0)),
+    # Qwen2: one KV head, untied, theta 1e6, odd FFN
+    "qwen2_mqa_untied": ("qwen2", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                       intermediate_size=53, tie_word_embeddings=False, rope_theta=1_000_000.0)),
+    # Llama 3.1 rope with original_max_position_embeddings 32 (D=16, theta 1e4): frequency 0 kept,
+    # 1 blended, 2..7 slowed by 8 -- all three bands of the rule; head_dim 16 != hidden/heads = 12; untied
+    "llama3_hd16_untied": ("llama", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         intermediate_size=72, tie_word_embeddings=False,
+                                         rope_parameters=_llama3_rope(10000.0, 8.0, 1.0, 4.0, 32))),
+    # Llama 3.2-style tied embeddings, head_dim from hidden/heads = 8, GQA 8:2, factor 4
+    "llama3_hd8_tied": ("llama", dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                      intermediate_size=96, tie_word_embeddings=True,
+                                      rope_parameters=_llama3_rope(10000.0, 4.0, 1.0, 4.0, 64))),
+}
+
+
+def make_hf_arch_model(family: str, overrides: dict, *, vocab: int = 97, layers: int = 2, seed: int = 0):
+    """A random transformers Qwen2 or Llama model (fp32, eval), norms perturbed and biases non-zero."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    model = model_cls(config_cls(**common))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):  # HF initialises biases to zero: make them count
+                p.copy_(0.2 * torch.randn_like(p))
+    return model.eval()

@@ -84,6 +84,30 @@ def test_qk_norm_rope_matches_model_math(dtype, H, Hkv, D):
     torch.testing.assert_close(k, k_ref, **tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,Hkv,D", [(4, 2, 16), (6, 1, 10)], ids=["gqa2", "mqa-odd-half"])
+def test_qk_rope_without_norm_is_bitwise_the_model_math(dtype, H, Hkv, D):
+    """q_w = k_w = None (Qwen2, Llama): RoPE only, rounded as apply_rope rounds; on a llama3 RoPE table."""
+    from rlengine.config import preset
+    from rlengine.model.layers import RotaryEmbedding, apply_rope
+
+    cfg = preset("tiny-llama").replace(num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D)
+    rope = RotaryEmbedding(cfg)
+    rope.build(torch.device("cpu"))
+    T = 9
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, dtype=dtype)
+    pos = torch.randint(0, cfg.max_position_embeddings, (T,))
+    q, k = torch.ops.rlengine.qk_norm_rope(qkv, None, None, rope.cos_sin, pos, H, Hkv, 1e-6)
+    cos, sin = rope(pos, dtype)
+    # bf16: every product is rounded, as in torch, so the op is bitwise equal. fp32: the compiler may
+    # contract x * cos + rot * sin into an FMA (one rounding fewer), so allow a few ulps.
+    exact = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(q, apply_rope(qkv[:, : H * D].view(T, H, D), cos, sin), **exact)
+    torch.testing.assert_close(k, apply_rope(qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D), cos, sin), **exact)
+    with pytest.raises(RuntimeError, match="both be given or both be None"):
+        torch.ops.rlengine.qk_norm_rope(qkv, torch.ones(D, dtype=dtype), None, rope.cos_sin, pos, H, Hkv, 1e-6)
+
+
 def test_qk_norm_rope_rejects_position_outside_table():
     with pytest.raises(RuntimeError, match="outside the RoPE table"):
         torch.ops.rlengine.qk_norm_rope(torch.randn(1, 3 * 8), torch.ones(8), torch.ones(8), torch.randn(2, 4, 8),

@@ -71,6 +71,32 @@ def test_qk_norm_rope(dtype, H, Hkv, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,Hkv,D", [(4, 2, 16), (6, 1, 24)])
+def test_qk_rope_without_norm(dtype, H, Hkv, D):
+    """q_w = k_w = None (Qwen2, Llama: NORM=False): RoPE only; with the kv_cache store too."""
+    from conftest import store_kvcache_ref
+
+    g = torch.Generator().manual_seed(H * 10 + D)
+    T, max_pos, num_blocks, P = 5, 64, 3, 4
+    qkv = (torch.randn(T, (H + 2 * Hkv) * D, generator=g) * 3).to(dtype)  # far from unit RMS: a norm would show
+    cs = _rope_table(max_pos, D)
+    pos = torch.tensor([0, 3, 63, 17, 17])
+    cos, sin = cs[0, pos].to(dtype).unsqueeze(1), cs[1, pos].to(dtype).unsqueeze(1)
+    q_ref = apply_rope(qkv[:, :H * D].view(T, H, D), cos, sin)
+    k_ref = apply_rope(qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D), cos, sin)
+    k_cache = torch.randn(num_blocks, P, Hkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, P, Hkv, D, generator=g).to(dtype)
+    slots = torch.tensor([3, 0, -1, 11, 6])
+    q, k = fn.qk_norm_rope(qkv, None, None, cs, pos, H, Hkv, 1e-6, kv_cache=(k_cache, v_cache, slots))
+    torch.testing.assert_close(q, q_ref, **tol(dtype))
+    torch.testing.assert_close(k, k_ref, **tol(dtype))
+    ref_k, ref_v = store_kvcache_ref(k, qkv[:, (H + Hkv) * D:].view(T, Hkv, D), k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    with pytest.raises(ValueError, match="both be given or both be None"):
+        fn.qk_norm_rope(qkv, torch.ones(D, dtype=dtype), None, cs, pos, H, Hkv, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_qk_norm_rope_stores_kv_cache_in_the_same_launch(dtype):
     """kv_cache=: q and k as without it, and the caches as store_kvcache would leave them (slot -1 skipped)."""
     from conftest import store_kvcache_ref

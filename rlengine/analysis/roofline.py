@@ -54,11 +54,11 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
                        cfg.num_hidden_layers)
     proj = C * H * D + 2 * C * Hkv * D + H * D * C
     if cfg.attention_bias:
-        proj += H * D + 2 * Hkv * D  # q/k/v biases (o_proj has none in Qwen3)
+        proj += H * D + 2 * Hkv * D  # q/k/v biases (o_proj has none in Qwen2 / Qwen3)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(L))
     return ParamCounts(
         embedding=cfg.vocab_size * C, lm_head=cfg.vocab_size * C, tied=cfg.tie_word_embeddings,
-        attention=L * (proj + 2 * D), attention_matmul=L * proj,
+        attention=L * (proj + (2 * D if cfg.qk_norm else 0)), attention_matmul=L * proj,  # q/k norms: Qwen3
         norms=2 * L * C + C,
         dense_mlp=(L - moe_layers) * 3 * C * cfg.intermediate_size,
         router=moe_layers * C * cfg.num_experts,

@@ -1,4 +1,4 @@
-"""The Qwen3 / Qwen3-MoE model shared by the generator and the learner, and its HF loader."""
+"""The decoder (Qwen3, Qwen3-MoE, Qwen2 / Qwen2.5, Llama 3.x) shared by the generator and the learner, and its HF loader."""
 
 from rlengine.model.loader import CheckpointError, load_config, load_pretrained, save_pretrained
 from rlengine.model.qwen3 import Qwen3ForCausalLM

@@ -3,7 +3,8 @@
 rlengine fuses q/k/v into qkv_proj, gate/up into gate_up_proj, and stacks experts into
 w13 [E, 2F, C] / w2 [E, C, F]; Hugging Face checkpoints store them separately (per expert,
 the hub format that transformers writes). Each rlengine parameter maps to a list of HF
-tensor names concatenated along dim 0 (or stacked over experts, for w13 / w2).
+tensor names concatenated along dim 0 (or stacked over experts, for w13 / w2). Qwen3, Qwen2 and
+Llama share these names; they differ only in which tensors exist (q/k norms, q/k/v biases).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def weight_map(cfg: ModelConfig) -> dict[str, WeightSpec]:
         if cfg.attention_bias:
             specs[f"{a}.qkv_proj.bias"] = WeightSpec((f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"))
         specs[f"{a}.o_proj.weight"] = WeightSpec((f"{a}.o_proj.weight",))
-        specs[f"{a}.q_norm.weight"] = WeightSpec((f"{a}.q_norm.weight",))
-        specs[f"{a}.k_norm.weight"] = WeightSpec((f"{a}.k_norm.weight",))
+        if cfg.qk_norm:  # Qwen3 only; Qwen2 / Llama checkpoints have no such tensors
+            specs[f"{a}.q_norm.weight"] = WeightSpec((f"{a}.q_norm.weight",))
+            specs[f"{a}.k_norm.weight"] = WeightSpec((f"{a}.k_norm.weight",))
         specs[f"{p}.input_layernorm.weight"] = WeightSpec((f"{p}.input_layernorm.weight",))
         specs[f"{p}.post_attention_layernorm.weight"] = WeightSpec((f"{p}.post_attention_layernorm.weight",))
         m = f"{p}.mlp"

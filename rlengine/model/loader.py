@@ -1,4 +1,4 @@
-"""Load and save Hugging Face Qwen3 / Qwen3-MoE checkpoints (config.json + safetensors).
+"""Load and save Hugging Face Qwen3 / Qwen3-MoE / Qwen2 / Llama checkpoints (config.json + safetensors).
 
 `load_pretrained` builds the model on the meta device, materialises it on the target device
 and fills every parameter from single or sharded *.safetensors files (never pickle), then

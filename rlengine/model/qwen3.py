@@ -1,11 +1,13 @@
-"""The Qwen3 decoder (dense and MoE) that both the generator and the learner run.
+"""The decoder (Qwen3 dense / MoE, Qwen2 / Qwen2.5, Llama 3.x) that both the generator and the learner run.
 
 One nn.Module tree, one copy of the weights: the engine decodes with these parameters and
 the learner optimises them in place. The forward works on PACKED tokens: input_ids [T],
 positions [T] and an attention context (rlengine/model/attention.py) that says how tokens
 attend (causal per sequence for training and tests, paged KV for the engine). q/k/v and
 gate/up projections are fused into single weights (fewer GEMMs on the decode path); the
-loader maps them to and from Hugging Face's separate tensors.
+loader maps them to and from Hugging Face's separate tensors. The three families differ only in
+the attention block, switched by the config: q/k RMSNorm (cfg.qk_norm, Qwen3), q/k/v biases
+(cfg.attention_bias, Qwen2), and the RoPE tables (cfg.rope_scaling, e.g. llama3).
 
 Dimension legend: B sequences, S sequence length, T packed tokens, C hidden, H / Hkv heads,
 D head dim, F FFN, E experts, K top-k, V vocab.
@@ -26,6 +28,8 @@ from rlengine.model.moe import SparseMoeBlock
 from rlengine.model.ops import FusedOps, fused_ops_for, logits_fp32, triton_ops  # noqa: F401
 
 class Attention(nn.Module):
+    """GQA self-attention; q/k RMSNorm only when cfg.qk_norm (q_norm / k_norm are None otherwise)."""
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
@@ -35,24 +39,28 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.eps = cfg.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x_TC, cos, sin, ctx: AttentionContext):
         T = x_TC.shape[0]
         q, k, v = self.qkv_proj(x_TC).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.view(T, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_norm(k.view(T, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o_THD = ctx.attend(self.layer_id, q, k, v.view(T, self.num_kv_heads, self.head_dim))
         return self.o_proj(o_THD.reshape(T, self.q_size))
 
     def forward_fused(self, x_TC, positions_T, rope_table, ctx: AttentionContext, ops: FusedOps):
-        """No-grad path: one kernel for q/k RMSNorm + RoPE straight from the qkv projection."""
+        """No-grad path: one kernel for q/k RMSNorm (if any) + RoPE straight from the qkv projection."""
         T = x_TC.shape[0]
         qkv = (ops.linear(x_TC, self.qkv_proj.weight) if self.qkv_proj.bias is None
                else F.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias))
-        q, k = ops.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, rope_table, positions_T,
-                                self.num_heads, self.num_kv_heads, self.q_norm.eps)
+        q_w, k_w = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        q, k = ops.qk_norm_rope(qkv, q_w, k_w, rope_table, positions_T, self.num_heads, self.num_kv_heads, self.eps)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         o_THD = ctx.attend(self.layer_id, q, k, v)
         return ops.linear(o_THD.reshape(T, self.q_size), self.o_proj.weight)
@@ -128,7 +136,10 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 / Qwen3-MoE causal LM. Build with `Qwen3ForCausalLM(cfg)` (random init) or load_pretrained()."""
+    """Causal LM for Qwen3 / Qwen3-MoE, Qwen2 / Qwen2.5 and Llama 3.x (cfg.model_type picks the family).
+
+    Build with `Qwen3ForCausalLM(cfg)` (random init) or load_pretrained(). The name is historical.
+    """
 
     def __init__(self, cfg: ModelConfig, *, moe_impl: str = "ref", device=None, dtype=None, seed: int | None = 0):
         super().__init__()
