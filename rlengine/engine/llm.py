@@ -3,6 +3,16 @@
     llm = LLM("tiny", max_num_seqs=32)                # or LLM(model) to decode with a live nn.Module
     outs = llm.generate(prompt_token_ids, SamplingParams(n=8, temperature=1.0, max_tokens=64))
     outs[0].outputs[3].token_ids, .logprobs, .finish_reason;  outs.trace  # per-step records
+    LLM(model=CHECKPOINT_DIR).generate(["Hello, my name is"], params)[0].outputs[0].text   # text in, text out
+    llm.chat([{"role": "user", "content": "Hi"}], params)    # the checkpoint's chat template
+
+Prompts: list[int] token ids (the trainer's form), a str, or vLLM's {"prompt_token_ids": [...]} /
+{"prompt": "..."}. Text needs a tokenizer: a checkpoint directory's own, the built-in one for presets,
+or LLM(module, tokenizer=...). Text prompts are encoded with add_special_tokens=True (vLLM's rule),
+rendered chats with False (transformers'). Samples of requests that came as text (or ask for text /
+stop strings) carry an incremental detokenizer (detokenizer.py); token-id requests pay nothing for it.
+A sequence stops at the model config's EOS ids (a checkpoint's config.json + generation_config.json,
+model/factory.py) and, when the tokenizer is the checkpoint's or given, at the tokenizer's too.
 
 When given an nn.Module, the engine decodes with that module's own parameters: no copy is
 made, so a learner's optimizer step is visible at the next decode step. `weight_version`
@@ -29,9 +39,9 @@ says why they are off.
 from __future__ import annotations
 
 import itertools
-import operator
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,16 +50,19 @@ from rlengine.config import DTYPES
 from rlengine.engine.attention import resolve_backend
 from rlengine.engine.block_manager import BlockManager, BlockPool
 from rlengine.engine.cuda_graph import CudaGraph, DecodeGraphs, unsupported_reason
+from rlengine.engine.detokenizer import Detokenizer
 from rlengine.engine.kv_cache import KVCache, KVPool, bytes_per_block
 from rlengine.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
 from rlengine.engine.outputs import GenerateResult, RequestOutput, RequestState
+from rlengine.engine.prompts import Prompt, chat_prompts, parse_prompt, prompt_list
 from rlengine.engine.sampler import Sampler
 from rlengine.engine.sampling_params import SamplingParams, sample_seed
 from rlengine.engine.scheduler import ScheduledBatch, Scheduler
 from rlengine.engine.sequence import Sequence, SequenceStatus
 from rlengine.engine.step_inputs import StepInputs
-from rlengine.model.factory import build_model
+from rlengine.model.factory import build_model, has_tokenizer_files, tokenizer_for
 from rlengine.model.qwen3 import Qwen3ForCausalLM
+from rlengine.model.tokenizer import Tokenizer
 from rlengine.telemetry.nvtx import PhaseRanges
 from rlengine.telemetry.records import StepRecord
 
@@ -81,28 +94,28 @@ def _build_model(model, dtype, device, moe_impl) -> Qwen3ForCausalLM:
     return build_model(str(model), dtype=dtype or torch.float32, device=device, moe_impl=moe_impl)
 
 
-def _token_ids(prompt, where: str) -> list[int]:
-    """A prompt as a list of Python ints (lists, tuples, 1-D int tensors, numpy ints accepted)."""
-    if isinstance(prompt, torch.Tensor):
-        prompt = prompt.tolist()
-    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__iter__"):
-        raise TypeError(f"{where}: token ids must be integers (a list[int]), got a {type(prompt).__name__}")
-    ids = []
-    for t in prompt:
-        try:
-            ids.append(operator.index(t))
-        except TypeError:
-            raise TypeError(f"{where}: token ids must be integers, got {type(t).__name__} {t!r}") from None
-    return ids
+def _tokenizer(model, tokenizer) -> tuple[Tokenizer | None, bool]:
+    """(the engine's tokenizer, whether its EOS ids count): a given one (Tokenizer, or a checkpoint directory),
+    else a checkpoint's own, the built-in one for a preset (whose config already names its EOS), None for a
+    bare module."""
+    if isinstance(tokenizer, (str, Path)):
+        return tokenizer_for(str(tokenizer)), True
+    if tokenizer is not None:
+        return tokenizer, True
+    if isinstance(model, Qwen3ForCausalLM):
+        return None, False
+    return tokenizer_for(str(model)), has_tokenizer_files(str(model))
 
 
 class LLM:
-    def __init__(self, model: str | Qwen3ForCausalLM, *, dtype: str | torch.dtype | None = None, device=None,
+    def __init__(self, model: str | Qwen3ForCausalLM, *, tokenizer: Tokenizer | str | None = None,
+                 dtype: str | torch.dtype | None = None, device=None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, kv_pool: KVPool | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto", seed: int = 0,
                  moe_impl: str = "ref", record_routing: bool = False, enforce_eager: bool = False,
                  cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False):
+        self.tokenizer, tokenizer_eos = _tokenizer(model, tokenizer)  # before the weights: a bad file fails fast
         self.model = _build_model(model, _as_dtype(dtype), device, moe_impl)
         cfg = self.model.config
         self.config = cfg
@@ -139,7 +152,7 @@ class LLM:
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                   record_routing=record_routing and cfg.is_moe)
         self.max_num_seqs, self.block_size = max_num_seqs, block_size
-        self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids if tokenizer_eos else ())
         self.weight_version = 0
         # Optional phase listener (e.g. telemetry.NvmlSampler): set_phase(kind) per step, an attribute write.
         self.phase_listener = None
@@ -231,24 +244,42 @@ class LLM:
                              f"{self.block_manager.blocks_for(longest)} KV blocks, but the cache has only "
                              f"{self.block_manager.num_blocks}; raise num_kv_blocks / kv_cache_memory")
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def _check_text(self, params: SamplingParams, text: str | None, where: str) -> bool:
+        """Whether the request's samples get a detokenizer (see SamplingParams.detokenize)."""
+        wants = params.detokenize if params.detokenize is not None else (text is not None or bool(params.stop))
+        if wants and self.tokenizer is None:
+            raise ValueError(f"{where}: text output (detokenize / stop strings) needs a tokenizer, and this engine "
+                             "has none: pass LLM(model, tokenizer=...)")
+        return wants
+
+    def add_request(self, prompt_token_ids, params: SamplingParams | None = None, request_id: str | None = None,
+                    *, prompt: str | None = None) -> str:
         """Queue one request (n samples); raises ValueError for bad input without touching other requests.
 
+        prompt_token_ids: token ids, or a {"prompt_token_ids": ...} / {"prompt": text} dict (a bare str is
+        refused here). prompt: the text the ids came from (RequestOutput.prompt; turns text output on).
         Sample i of a request with a seed draws with sample_seed(seed, i) (sampling_params.py).
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_ids))
-        prompt = _token_ids(prompt_token_ids, f"request {request_id}")
-        self._validate(prompt, params, f"request {request_id}")
+        where = f"request {request_id}"
+        parsed = parse_prompt(prompt_token_ids, self.tokenizer, where, allow_str=False)
+        ids, text = parsed.token_ids, parsed.text if prompt is None else prompt
+        self._validate(ids, params, where)
+        detok = self._check_text(params, text, where)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        max_len = min(len(prompt) + params.max_tokens, self.max_model_len)
-        seqs = [Sequence(request_id, i, prompt, params, stop_ids=stop, max_len=max_len,
+        max_len = min(len(ids) + params.max_tokens, self.max_model_len)
+        seqs = [Sequence(request_id, i, ids, params, stop_ids=stop, max_len=max_len,
                          seed_key=None if params.seed is None else sample_seed(params.seed, i))
                 for i in range(params.n)]
-        self.requests[request_id] = RequestState(request_id, prompt, seqs)
+        for seq in seqs if detok else ():
+            seq.detok = Detokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+        if params.top_logprobs:
+            self.runner.top_logprobs_on = True
+        self.requests[request_id] = RequestState(request_id, ids, seqs, text)
         self.scheduler.add(seqs)
         return request_id
 
@@ -328,7 +359,8 @@ class LLM:
         the running set and their blocks return."""
         done: dict[str, RequestState] = {}
         finished, pending = SequenceStatus.FINISHED, PENDING  # locals: this loop runs B times per step
-        for seq, token, logprob in zip(batch.samples, out.tokens, out.logprobs):
+        top = out.top
+        for i, (seq, token, logprob) in enumerate(zip(batch.samples, out.tokens, out.logprobs)):
             if seq.status is finished:
                 continue  # aborted, or (overlap) stopped at the step before: this token is past its end
             ids = seq.token_ids
@@ -340,9 +372,19 @@ class LLM:
                 ids[at] = token
             seq.logprobs.append(logprob)
             seq.versions.append(version)
+            if top is not None and seq.top_logprobs is not None:
+                seq.top_logprobs.append(_top_entry(top, i, seq.params.top_logprobs, token, logprob))
             stop = token in seq.stop_ids
+            if seq.detok is not None and (not stop or seq.detok.include_stop):
+                # vLLM: a stop token's own text is left out unless include_stop_str_in_output
+                if seq.detok.add(token) and not stop:
+                    stop, seq.stop_reason = True, seq.detok.stop_reason
             if stop or at + 1 >= seq.max_len:
                 del ids[at + 1:]  # overlap: the placeholder of a step launched past the stop
+                sp = seq.params
+                if stop and seq.stop_reason is None and token in sp.stop_token_ids and (
+                        sp.ignore_eos or token not in self.eos_ids):
+                    seq.stop_reason = token  # vLLM: a stop_token_ids entry (not an EOS id) is the stop reason
                 self.scheduler.finish(seq, "stop" if stop else "length")
                 state = self.requests[seq.request_id]
                 if state.finished:
@@ -360,24 +402,40 @@ class LLM:
         return outputs
 
     # ---- batch API ---------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> GenerateResult:
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> GenerateResult:
         """Generate for every prompt; returns RequestOutputs in prompt order (+ .trace, .stats).
 
-        All prompts are validated before any is queued: a bad one raises ValueError naming its
-        index and leaves the engine (and requests already in flight) untouched.
+        prompts: a list of prompts, each token ids (list[int]), a str, {"prompt_token_ids": [...]} or
+        {"prompt": str}; or one str / dict. All prompts are validated before any is queued: a bad one
+        raises ValueError naming its index and leaves the engine (and requests already in flight) untouched.
         """
-        if prompt_token_ids and isinstance(prompt_token_ids[0], int):
-            raise TypeError("generate() takes a list of prompts (list[list[int]]), got a single flat list")
+        items = [parse_prompt(p, self.tokenizer, f"prompt {i}") for i, p in enumerate(prompt_list(prompts))]
+        return self._generate(items, sampling_params)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> GenerateResult:
+        """Generate replies to one conversation ([{"role", "content"}, ...]) or a list of them, rendered with
+        the tokenizer's chat template (Tokenizer.apply_chat_template; chat_template_kwargs are extra template
+        variables, chat_template a template name or source, tools JSON schemas for templates that take them).
+        RequestOutput.prompt is the rendered text."""
+        kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+        items = chat_prompts(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                             chat_template=chat_template, kwargs=kwargs)
+        return self._generate(items, sampling_params)
+
+    def _generate(self, items: list[Prompt], sampling_params) -> GenerateResult:
         params = sampling_params or SamplingParams()
-        plist = params if isinstance(params, list) else [params] * len(prompt_token_ids)
-        if len(plist) != len(prompt_token_ids):
-            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompt_token_ids)} prompts")
-        for i, (prompt, p) in enumerate(zip(prompt_token_ids, plist)):
-            self._validate(_token_ids(prompt, f"prompt {i}"), p, f"prompt {i}")
+        plist = params if isinstance(params, list) else [params] * len(items)
+        if len(plist) != len(items):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(items)} prompts")
+        for i, (item, p) in enumerate(zip(items, plist)):
+            self._validate(item.token_ids, p, f"prompt {i}")
+            self._check_text(p, item.text, f"prompt {i}")
         trace_start, preempt_start = len(self.trace), self.scheduler.num_preemptions
         recompute_start = self.scheduler.num_recomputed_tokens
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompt_token_ids, plist)]
+        ids = [self.add_request(item.token_ids, p, prompt=item.text) for item, p in zip(items, plist)]
         finished: dict[str, RequestOutput] = {}
         pending = set(ids)
         others: list[RequestOutput] = []
@@ -392,3 +450,10 @@ class LLM:
         stats = {"preemptions": self.scheduler.num_preemptions - preempt_start,
                  "recomputed_tokens": self.scheduler.num_recomputed_tokens - recompute_start}
         return GenerateResult([finished[i] for i in ids], self.trace[trace_start:], stats)
+
+
+def _top_entry(top: tuple[list, list], row: int, k: int, token: int, logprob: float) -> dict[int, float]:
+    """A sample's top_logprobs entry: its k most likely ids -> log-prob (filtered-out -inf dropped), + the sampled."""
+    entry = {t: lp for t, lp in zip(top[0][row][:k], top[1][row][:k]) if lp != float("-inf")}
+    entry[token] = logprob
+    return entry

@@ -6,7 +6,8 @@ the forward (eager, or a CUDA-graph replay when `graphs` is set and the decode b
 bucket: both read the same input buffers), the LM head on each sequence's last token, the sampler,
 and the packing of the sampled tokens, their log-probs and (when recorded) the MoE routing ids into
 one int32 buffer whose copy to the host is queued behind them. read() waits for that copy: the
-step's ONE device-to-host read; nothing else in a decode step reads the device
+step's ONE device-to-host read (a step that carries a top_logprobs request reads its [N, k] top-k
+too, after that one); nothing else in a decode step reads the device
 (tests/test_engine_host_reads.py counts it, tests/test_engine_gpu.py runs under sync-debug mode).
 run() = read(launch()). With overlap (LLM(async_scheduling=True)) the LLM launches step t+1 before
 reading step t: inputs whose token step t is still sampling are gathered on the device from step
@@ -39,6 +40,7 @@ class StepOutput:
     tokens: list[int]                     # [N] sampled token ids
     logprobs: list[float]                 # [N] their log-probs (SamplingParams.logprobs_mode)
     routing: list[np.ndarray] | None      # [N] expert ids [tokens of the sample's row, L, K] int32, or None
+    top: tuple[list, list] | None = None  # top_logprobs: ([N][k] token ids, [N][k] log-probs), or None
 
 
 @dataclass(slots=True)
@@ -54,6 +56,7 @@ class LaunchedStep:
     ids_shape: tuple[int, ...] | None     # [T, L, K] of the routing ids, or None
     event: torch.cuda.Event | None        # recorded after the output copy (GPU)
     launched_at: float                    # perf_counter() at launch
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # top_logprobs: ids [N, k] int64, log-probs [N, k] fp32
 
 
 class ModelRunner:
@@ -65,6 +68,8 @@ class ModelRunner:
         self.record_routing = record_routing
         self.moe_blocks = model.moe_blocks()
         self.graphs = None  # cuda_graph.DecodeGraphs, set by the LLM when decode graphs are on
+        # set by the LLM once a request asks for top_logprobs; until then no step looks at the params
+        self.top_logprobs_on = False
         self.ranges = PhaseRanges()  # engine.prepare / forward / sample ranges (the LLM shares its own)
         # The packed output buffer: tokens [N] | log-prob bits [N] | routing ids [T, L, K], int32; two
         # slots under overlap (step t+1 packs while step t's copy may still be unread).
@@ -120,8 +125,15 @@ class ModelRunner:
         with self.ranges("engine.sample"):
             if prep.sb.logits_rows is not None:  # prefill: every member of a group samples its leader's row
                 logits_NV = logits_NV[prep.sb.logits_rows]
-            tokens_N, logprobs_N = self.sampler(logits_NV, prep.sb)
+            k = max(s.params.top_logprobs for s in batch.samples) if self.top_logprobs_on else 0
+            top = None
+            if k:
+                tokens_N, logprobs_N, top_ids, top_lps = self.sampler.sample_with_top(logits_NV, prep.sb, k)
+                top = (top_ids, top_lps)
+            else:
+                tokens_N, logprobs_N = self.sampler(logits_NV, prep.sb)
             step = self._queue_outputs(batch, prep, tokens_N, logprobs_N, ids_TLK)
+            step.top = top
         self.inputs.launched(prep, step.step_id if self.inputs.overlap else None)
         return step
 
@@ -151,7 +163,9 @@ class ModelRunner:
         (only the `live` samples [N] bool under overlap: the others left their rows meanwhile)."""
         tokens, logprobs, ids = self._read_outputs(step)
         self.inputs.tokens_read(step.prep, tokens, live)
-        return StepOutput(tokens.tolist(), logprobs.tolist(), self._routing_per_sample(step.batch, step.prep, ids))
+        top = None if step.top is None else (step.top[0].tolist(), step.top[1].tolist())  # the extra read
+        return StepOutput(tokens.tolist(), logprobs.tolist(), self._routing_per_sample(step.batch, step.prep, ids),
+                          top)
 
     def _read_outputs(self, step: LaunchedStep):
         """The step's one device-to-host read: wait for the queued copy. Returns host numpy views (valid

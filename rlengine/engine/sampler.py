@@ -200,10 +200,23 @@ class Sampler:
         No host sync, no host-to-device copy: the per-sample inputs are device views of the step's
         staging copy, and the path is chosen from sb's host flags.
         """
+        tokens_N1, z_NV = self._draw(logits_NV, sb)
+        return tokens_N1.view(-1), z_NV.log_softmax(dim=-1).gather(1, tokens_N1).view(-1)
+
+    def sample_with_top(self, logits_NV: torch.Tensor, sb: SamplingBatch, k: int):
+        """As __call__, plus the k most likely tokens of each row's log-prob distribution (the one its
+        sampled token's log-prob is taken from): (tokens [N], log-probs [N], top ids [N, k] int64, top
+        log-probs [N, k] fp32; -inf where a filter left fewer than k tokens). One top-k over [N, V]."""
+        tokens_N1, z_NV = self._draw(logits_NV, sb)
+        lp_NV = z_NV.log_softmax(dim=-1)
+        top_lp, top_ids = lp_NV.topk(min(k, lp_NV.shape[1]), dim=-1)
+        return tokens_N1.view(-1), lp_NV.gather(1, tokens_N1).view(-1), top_ids, top_lp
+
+    def _draw(self, logits_NV: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (token ids [N, 1] int64, z [N, V] fp32 whose log_softmax defines each row's log-prob)."""
         logits = logits_NV.float()
         if not sb.kinds_any & SAMPLED:  # all greedy: max() is ~3x faster than argmax() on the CPU
-            tokens = logits.max(dim=-1, keepdim=True)[1]
-            return tokens.view(-1), _logprob_of(logits, tokens)
+            return logits.max(dim=-1, keepdim=True)[1], logits
         z = logits / sb.temperature[:, None]  # greedy rows carry temperature 1: z = logits there
         filtered = filter_logits(z, sb.top_k, sb.top_p, sb.max_top_k) if sb.kinds_any & FILTERED else z
         tokens = self._race(filtered, sb)
@@ -212,7 +225,7 @@ class Sampler:
             tokens = torch.where(greedy, logits.max(dim=-1, keepdim=True)[1], tokens)
         if sb.kinds_any & PROCESSED:  # one log_softmax: filtered rows where processed, raw elsewhere
             z = torch.where(((sb.kind & PROCESSED) != 0)[:, None], filtered, z)
-        return tokens.view(-1), z.log_softmax(dim=-1).gather(1, tokens).view(-1)
+        return tokens, z
 
     def _race(self, x_NV: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         """Two-level exponential race over logits x [N, V] (-inf = excluded) -> token ids [N, 1] int64."""
@@ -236,11 +249,6 @@ class Sampler:
         if not sb.kinds_any & SEEDED:
             return rng
         return torch.where(((sb.kind & SEEDED) != 0)[:, None], hashed_exponentials(sb.seed_keys, M), rng)
-
-
-def _logprob_of(logits_BV: torch.Tensor, tokens_B1: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[token] per row (log_softmax beats logits[token] - logsumexp on the CPU)."""
-    return logits_BV.log_softmax(dim=-1).gather(1, tokens_B1).view(-1)
 
 
 def sequence_logprobs(logits_TV: torch.Tensor, targets_T: torch.Tensor, *, temperature: float, top_k: int = -1,

@@ -14,6 +14,13 @@ i = 0, a splitmix64 mix of (s, i) for i >= 1 (never s + i, which would make samp
 sample 0 of seed s + 1). So a request with n = G and seed s produces exactly what G requests
 with n = 1 and seeds sample_seed(s, 0), ..., sample_seed(s, G - 1) produce, whatever else is
 in the batch (a seeded draw depends only on its seed, its position and its logits).
+Text (engine/detokenizer.py): `detokenize` None (the default) makes text for requests that came as text
+(a str / {"prompt": ...} prompt, LLM.chat) or that have stop strings, and none for token-id prompts
+(the trainer's: no per-step cost); True / False force it on / off. Stop strings follow vLLM: the
+sample finishes with finish_reason "stop" and stop_reason = the matched string, its text is cut
+there (keeping the string with include_stop_str_in_output), its token_ids keep the token that
+completed the match. vLLM's `logprobs=k` (top-k alternatives) is `top_logprobs=k` here, because
+CompletionOutput.logprobs is already the sampled tokens' log-probs (always returned).
 """
 
 from __future__ import annotations
@@ -61,8 +68,25 @@ class SamplingParams:
     ignore_eos: bool = False                    # keep going past the model's EOS ids
     seed: int | None = None                     # per-request seed (sample i: sample_seed(seed, i))
     logprobs_mode: str = "raw"                  # "raw" | "processed": see the module docstring
+    top_logprobs: int = 0                       # k > 0: the k most likely tokens per position (+ the sampled one)
+    stop: list[str] | str | None = None         # stop strings (a str is one); normalised to a list
+    include_stop_str_in_output: bool = False    # keep the matched stop string in the text
+    skip_special_tokens: bool = True            # leave special tokens out of the text
+    detokenize: bool | None = None              # None: text for text prompts / stop strings; True / False: force
+    logprobs: None = None                       # vLLM's top-k count: not accepted here, use top_logprobs
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None:
+            raise ValueError(f"SamplingParams.logprobs={self.logprobs!r}: the log-prob of every sampled token is "
+                             "always returned (CompletionOutput.logprobs); for vLLM's top-k alternatives per "
+                             f"position use top_logprobs={self.logprobs!r} (CompletionOutput.top_logprobs)")
+        if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) or self.top_logprobs < 0:
+            raise ValueError(f"SamplingParams.top_logprobs must be an int >= 0, got {self.top_logprobs!r}")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+        if self.stop and self.detokenize is False:
+            raise ValueError("SamplingParams.stop: stop strings need the text; drop detokenize=False")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
         if self.temperature < 0:

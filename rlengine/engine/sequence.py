@@ -6,7 +6,8 @@ others, and only the leader runs through the prefill forward; every member sampl
 token from the leader's last logits row. A preempted sequence comes back alone, keeping its
 generated tokens, and is prefilled again (prompt + generated) on re-admission.
 Finish conditions are fixed when the sequence is created (`stop_ids`, `max_len`), so the
-per-step check is one set lookup and one length compare.
+per-step check is one set lookup and one length compare; samples that need text also carry a
+Detokenizer (`detok`, None otherwise), which checks stop strings.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "logprobs", "versions",
                  "block_table", "row", "status", "params", "seed_key", "stop_ids", "max_len", "finish_reason",
-                 "routing_ids")
+                 "routing_ids", "detok", "stop_reason", "top_logprobs")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, *,
                  seed_key: int | None = None, stop_ids: frozenset[int] = frozenset(), max_len: int | None = None):
@@ -52,6 +53,9 @@ class Sequence:
         self.max_len = max_len if max_len is not None else len(prompt) + params.max_tokens  # "length" at this
         self.finish_reason: str | None = None
         self.routing_ids: list[np.ndarray] = []  # per step [tokens, L_moe, K] expert ids (routing replay)
+        self.detok = None                       # engine.detokenizer.Detokenizer when the sample needs text
+        self.stop_reason: int | str | None = None  # stop string / stop token id that finished it (not EOS)
+        self.top_logprobs: list[dict[int, float]] | None = [] if params.top_logprobs else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
