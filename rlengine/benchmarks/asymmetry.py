@@ -30,9 +30,10 @@ import time
 import torch
 
 from rlengine.analysis.fits import bootstrap_fits, critical_generation_batch, fit_generation_time, fit_training_time
+from rlengine.benchmarks.args import check_args, int_list
 from rlengine.benchmarks.lengths import add_length_args, sample_lengths
 from rlengine.benchmarks.report import format_table, write_result
-from rlengine.config import DTYPES, preset
+from rlengine.config import DTYPES, ConfigError, preset
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.batching import grpo_batch
@@ -161,17 +162,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=None, metavar="K",
                    help="K ranks on this node (torchrun, one device each): per-rank and node-level rows")
     args = p.parse_args(argv)
+    check_args(args, positive=("group_size", "prompt_len", "gen_len", "reps", "nproc"))
+    preset(args.model)
+    batches = int_list(args.batches, "--batches")
+    if len(batches) < 2:
+        raise ConfigError("--batches needs at least two batch sizes to fit t_gen = d0 + d1*B")
+    bad = [b for b in batches if b % args.group_size]
+    if bad:
+        raise ConfigError(f"--batches {bad} are not multiples of --group-size {args.group_size}")
     if args.nproc is not None and "WORLD_SIZE" not in os.environ:
         return _launch(args.nproc, list(argv if argv is not None else sys.argv[1:]))
     dist = init_from_env()
     if args.threads:
         torch.set_num_threads(args.threads)
-    batches = [int(x) for x in args.batches.split(",")]
-    if len(batches) < 2:
-        raise SystemExit("--batches needs at least two batch sizes to fit t_gen = d0 + d1*B")
-    bad = [b for b in batches if b % args.group_size]
-    if bad:
-        raise SystemExit(f"--batches {bad} are not multiples of --group-size {args.group_size}")
     device = f"cuda:{dist.local_rank}" if args.device == "cuda" and dist.enabled else args.device
     model = Qwen3ForCausalLM(preset(args.model), device=device, dtype=DTYPES[args.dtype])
     max_len = args.prompt_len + (args.gen_len if args.length_dist == "fixed" else 3 * args.gen_len) + 1

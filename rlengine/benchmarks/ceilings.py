@@ -12,6 +12,7 @@ import json
 import torch
 
 from rlengine.analysis.ceilings import run
+from rlengine.benchmarks.args import check_args
 from rlengine.telemetry.provenance import write_json
 
 
@@ -21,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results", help="directory for ceilings.json")
     p.add_argument("--reps", type=int, default=None)
     args = p.parse_args(argv)
+    check_args(args, positive=("reps",))
     path = run(args.device, args.out, reps=args.reps)
     write_json(path, json.loads(path.read_text()), device=args.device)
     return 0

@@ -44,12 +44,15 @@ import torch
 
 from rlengine.analysis.ceilings import measure_ceilings
 from rlengine.analysis.roofline import decode_roofline
+from rlengine.benchmarks.args import check_args
 from rlengine.benchmarks.hf_baseline import HFProvider, load_pair
 from rlengine.benchmarks.lengths import add_length_args, sample_lengths
 from rlengine.benchmarks.report import format_table, write_result
+from rlengine.config import ConfigError
 from rlengine.engine.kv_cache import bytes_per_block
 from rlengine.engine.llm import DTYPES, LLM
 from rlengine.engine.sampling_params import SamplingParams
+from rlengine.preflight import check_model
 from rlengine.telemetry.nvml import NvmlSampler
 from rlengine.telemetry.profiler import ProfileWindow, step_profiler
 
@@ -200,7 +203,8 @@ def run(args) -> tuple[list[dict], dict]:
     if len(contexts) < len(args.contexts):
         print(f"dropping contexts > {limit} (max_position_embeddings {cfg.max_position_embeddings} - gen-len - 1)")
     if not contexts:
-        raise SystemExit("no context length fits the model")
+        raise ConfigError(f"no --contexts value fits the model: each must be <= {limit} "
+                          f"(max_position_embeddings {cfg.max_position_embeddings} - --gen-len - 1)")
     hi = {c: min(hi[c], limit) for c in contexts}
     args.max_model_len = max(hi.values()) + args.gen_len + 1
     compare = args.compare_eager and not args.enforce_eager
@@ -302,7 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     args.batches = [b for b in args.batches if b <= args.max_batch]
     if not args.batches:
         p.error(f"no B_act in --batches is <= --max-batch {args.max_batch}")
-    ProfileWindow.parse(args.profile_window)
+    check_args(args, positive=("max_batch", "reps"))
+    check_model(args.model, "--model")
+    if args.ceilings and not Path(args.ceilings).is_file():
+        raise ConfigError(f"--ceilings {args.ceilings}: file not found (write one with `rlengine bench ceilings`)")
     if args.threads:
         torch.set_num_threads(args.threads)
     rows, info = run(args)

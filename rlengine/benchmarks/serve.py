@@ -18,10 +18,11 @@ import random
 import time
 import torch
 
+from rlengine.benchmarks.args import check_args
 from rlengine.benchmarks.lengths import add_length_args, sample_lengths
 from rlengine.benchmarks.report import format_table, write_result
 from rlengine.benchmarks.serving_metrics import RequestTiming, parse_slos, serving_metrics
-from rlengine.config import DTYPES, preset
+from rlengine.config import DTYPES, ConfigError, preset
 from rlengine.engine.llm import LLM
 from rlengine.engine.sampling_params import SamplingParams
 from rlengine.model.qwen3 import Qwen3ForCausalLM
@@ -72,7 +73,14 @@ def drive(llm: LLM, prompts: list[list[int]], out_lens: list[int], arrivals: lis
 
 
 def _rate(text: str) -> float:
-    return float("inf") if text.strip() == "inf" else float(text)
+    """One --request-rate entry: requests per second > 0, or inf."""
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = float("nan")
+    if not rate > 0:
+        raise ConfigError(f"--request-rate entries must be numbers > 0 or inf, got {text.strip()!r}")
+    return rate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,18 +107,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--name", default="serve")
     args = p.parse_args(argv)
+    check_args(args, positive=("num_requests", "input_len", "output_len", "max_num_seqs"))
+    preset(args.model)
+    if not args.burstiness > 0:
+        raise ConfigError(f"--burstiness must be > 0, got {args.burstiness}")
+    try:
+        slos = parse_slos(args.goodput)
+    except ValueError as exc:
+        raise ConfigError(f"--goodput: {exc}") from None
+    rates = [_rate(r) for r in args.request_rate.split(",") if r.strip()]
+    if not rates:
+        raise ConfigError(f"--request-rate needs at least one rate, got {args.request_rate!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    slos = parse_slos(args.goodput)
-    rates = [_rate(r) for r in args.request_rate.split(",") if r.strip()]
     n = args.num_requests
     in_lens = sample_lengths(args.length_dist, args.input_len, n, seed=args.seed)
     out_lens = sample_lengths(args.length_dist, args.output_len, n, seed=args.seed + 1)
     model = Qwen3ForCausalLM(preset(args.model), device=args.device, dtype=DTYPES[args.dtype])
     max_len = max(a + b for a, b in zip(in_lens, out_lens)) + 1
     if max_len > model.config.max_position_embeddings:
-        raise SystemExit(f"input + output lengths reach {max_len} tokens > max_position_embeddings "
-                         f"{model.config.max_position_embeddings} of {args.model}")
+        raise ConfigError(f"--input-len + --output-len reach {max_len} tokens > max_position_embeddings "
+                          f"{model.config.max_position_embeddings} of {args.model}")
     llm = LLM(model, max_num_seqs=args.max_num_seqs, max_model_len=max_len, attention_backend=args.backend,
               enforce_eager=args.enforce_eager, seed=args.seed)
     llm.capture_decode_graphs()

@@ -1,0 +1,44 @@
+"""Validation shared by the installed benchmarks' options, run right after argparse.
+
+Each benchmark's main(argv) calls check_args before building a model: a bad option is a
+ConfigError naming the option (one line from `rlengine bench NAME`, exit code 2), never a
+traceback from deep inside the sweep.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlengine.config import ConfigError
+from rlengine.preflight import check_backend, check_device
+
+
+def int_list(text: str, option: str) -> list[int]:
+    """'8,16,32' -> [8, 16, 32]; ConfigError naming `option` unless all are integers >= 1."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ConfigError(f"{option} must be comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def check_args(args, *, positive: tuple[str, ...] = ()) -> torch.device:
+    """Check --device, --backend, --profile-window and the integer options in `positive` (attribute
+    names, each >= 1) of a parsed benchmark namespace; returns the device."""
+    from rlengine.telemetry.profiler import ProfileWindow
+
+    device = check_device(args.device, "--device")
+    if getattr(args, "backend", None) is not None:
+        check_backend(args.backend, device, "--backend")
+    for name in positive + ("threads",):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if getattr(args, "profile_window", None) is not None:
+        try:
+            ProfileWindow.parse(args.profile_window)
+        except ValueError as exc:
+            raise ConfigError(f"--profile-window: {exc}") from None
+    return device

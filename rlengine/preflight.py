@@ -1,0 +1,82 @@
+"""Checks that a job can run on this machine, before anything is built or any rank is started.
+
+The command line (rlengine/cli.py) and the installed benchmarks call these with what the user
+typed: the device, the attention backend, the model (a preset, or a checkpoint directory with a
+config.json), and for a training job its task (every data row, the reward) and prompt lengths.
+Each failure is a ConfigError (or the loader's CheckpointError) naming the option and the fix,
+which the CLI prints as one line. Simplification: the job later reads the same files again (the
+JSONL rows, config.json); that costs milliseconds next to a run and keeps the builders unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from rlengine.config import PRESETS, ConfigError, ModelConfig, preset
+
+
+def check_device(device: str | None, what: str) -> torch.device:
+    """The torch.device `device` names (None / "auto": cuda if available, else cpu); ConfigError when it
+    is not cpu / cuda / cuda:N or names a GPU this machine does not have. `what` is the option's name."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{what} {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{what} {device!r}: rlengine runs on cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ConfigError(f"{what} {device!r}: CUDA is not available here ({why}); use {what} cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"{what} {device!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return dev
+
+
+def check_backend(name: str, device: torch.device, what: str) -> None:
+    """ConfigError when attention backend `name` is unknown or cannot run on `device`."""
+    from rlengine.engine.attention import resolve_backend
+
+    try:
+        resolve_backend(name, device)
+    except ValueError as exc:  # resolve_backend's message names the backend and the reason
+        raise ConfigError(f"{what}: {exc}") from None
+
+
+def check_model(name: str, what: str) -> ModelConfig:
+    """The ModelConfig of preset or checkpoint directory `name`; ConfigError / CheckpointError naming
+    the preset or file otherwise (a checkpoint's config.json and that its weight files exist: the
+    tensors themselves are checked when loaded)."""
+    if Path(name).is_dir():
+        from rlengine.model.loader import _weight_files, load_config
+
+        cfg = load_config(name)
+        _weight_files(Path(name))  # the loader's own file discovery: a missing shard or safetensors file
+        return cfg
+    if name in PRESETS:
+        return preset(name)
+    if os.sep in name or name.startswith(".") or (os.altsep and os.altsep in name):
+        raise ConfigError(f"{what} {name!r}: checkpoint directory not found")
+    raise ConfigError(f"{what} {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+                      "nor a checkpoint directory")
+
+
+def check_train_config(cfg) -> None:
+    """Everything a TrainConfig needs from this machine and its files (Trainer builds the same later)."""
+    from rlengine.model.factory import tokenizer_for
+    from rlengine.rl.tasks import build_task
+
+    device = check_device(cfg.model.device, "model.device")
+    model = check_model(cfg.model.name, "model.name")
+    backend = "torch" if cfg.gen.backend == "auto" and cfg.model.dtype == "float64" else cfg.gen.backend
+    check_backend(backend, device, "gen.backend")
+    t = cfg.task
+    task = build_task(t.name, path=t.path, eval_path=t.eval_path, reward=t.reward, num_train=t.num_train,
+                      num_eval=t.num_eval, seed=t.seed)
+    mpe, g = model.max_position_embeddings, cfg.gen
+    task.check_prompts(tokenizer_for(cfg.model.name).encode, mpe - g.max_tokens,
+                       limit=f"max_position_embeddings {mpe} - gen.max_tokens {g.max_tokens}")
