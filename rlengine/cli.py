@@ -24,8 +24,11 @@ def _cmd_info(args) -> int:
 
     if args.plan:  # the per-device memory plan of a training config, and its B_KV
         from rlengine.analysis.memory_plan import GiB, device_memory, engine_max_model_len, plan_for_config
+        from rlengine.config import ConfigError
         from rlengine.rl.config import load_config
 
+        if args.device_memory is not None and not args.device_memory > 0:
+            raise ConfigError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
         cfg = load_config(args.plan)
         mem, source = (int(args.device_memory * GiB), "--device-memory") if args.device_memory else device_memory()
         cuda = args.device_memory is not None or torch.cuda.is_available()
@@ -55,17 +58,63 @@ def _cmd_info(args) -> int:
     print("presets:")
     for name in PRESETS:
         cfg = preset(name)
-        kind = f"MoE E={cfg.num_experts} K={cfg.num_experts_per_tok}" if cfg.is_moe else "dense"
+        kind = f"{cfg.hf_model_type} " + (f"MoE E={cfg.num_experts} K={cfg.num_experts_per_tok}" if cfg.is_moe else "dense")
         print(f"  {name:16s} L={cfg.num_hidden_layers} C={cfg.hidden_size} H={cfg.num_attention_heads} "
               f"Hkv={cfg.num_key_value_heads} D={cfg.head_dim} V={cfg.vocab_size} {kind}")
     return 0
 
 
 def _cmd_demo(args) -> int:
+    from rlengine.config import ConfigError
     from rlengine.demo import run_demo
+    from rlengine.model.factory import tokenizer_for
+    from rlengine.preflight import check_device, check_model
 
+    check_device(args.device, "--device")
+    check_model(args.model, "--model")
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not tokenizer_for(args.model).encode(args.prompt):
+        raise ConfigError(f"--prompt {args.prompt!r} encodes to no tokens; give a non-empty prompt")
     run_demo(model=args.model, dtype=args.dtype, device=args.device, prompt=args.prompt,
              max_tokens=args.max_tokens)
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    """Text in, text out through the engine (LLM.generate / LLM.chat); prints each completion's text."""
+    from rlengine.config import ConfigError
+    from rlengine.engine import LLM, SamplingParams
+    from rlengine.preflight import check_device, check_model
+
+    check_device(args.device, "--device")
+    check_model(args.model, "--model")
+    if args.system is not None and not args.chat:
+        raise ConfigError("--system needs --chat (a system turn is part of the chat template)")
+    for flag, value in (("--max-tokens", args.max_tokens), ("--n", args.n)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                                max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (check --temperature / --top-p / --seed / --stop)") from None
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        messages.append({"role": "user", "content": args.prompt})
+        # no template: ChatTemplateError, a ConfigError naming the checkpoint
+        ids = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    else:
+        ids = llm.tokenizer.encode(args.prompt, add_special_tokens=True)
+    if not ids:
+        raise ConfigError(f"--prompt {args.prompt!r} encodes to no tokens; give a non-empty prompt")
+    if len(ids) >= llm.max_model_len:
+        raise ConfigError(f"--prompt is {len(ids)} tokens, which leaves no room to generate "
+                          f"(the model's max_model_len is {llm.max_model_len})")
+    out = llm.chat(messages, params) if args.chat else llm.generate([args.prompt], params)
+    for completion in out[0].outputs:
+        print(completion.text)
     return 0
 
 
@@ -90,15 +139,26 @@ def _cmd_train(args) -> int:
 
 
 def _train_config(args):
-    """The config `rlengine train` would run (validated), without building anything."""
+    """The config `rlengine train` would run, validated against this machine and the job's files
+    (rlengine.preflight), without building anything: every user error surfaces here."""
     from importlib import resources
 
+    from rlengine.config import ConfigError
+    from rlengine.preflight import check_train_config
     from rlengine.rl.config import load_config, resume_config
+    from rlengine.telemetry.profiler import ProfileWindow
 
+    try:
+        ProfileWindow.parse(args.profile_window)
+    except ValueError as exc:
+        raise ConfigError(f"--profile-window: {exc}") from None
     if args.resume:
-        return resume_config(args.resume, args.overrides)
-    path = args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml")
-    return load_config(path, args.overrides)
+        cfg = resume_config(args.resume, args.overrides)
+    else:
+        cfg = load_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml"),
+                          args.overrides)
+    check_train_config(cfg)
+    return cfg
 
 
 def _launch(args) -> int:
@@ -143,11 +203,14 @@ def _cmd_tune(args) -> int:
     from importlib import resources
 
     from rlengine.config import ConfigError
+    from rlengine.preflight import check_train_config
     from rlengine.rl.config import load_config
     from rlengine.tune import TuneSpec, tune
 
     path = args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml")
-    job = load_config(path).to_dict()
+    cfg = load_config(path)
+    check_train_config(cfg)
+    job = cfg.to_dict()
     b = job["train"]["b_train"]
     auto_gen = args.b_gen == "auto"
     try:
@@ -160,8 +223,10 @@ def _cmd_tune(args) -> int:
                         b_gen=() if auto_gen else _int_list(args.b_gen, "--b-gen"), explicit_b_gen=not auto_gen,
                         plateau_delta=args.delta, kv_bytes=args.kv_bytes, recheck=args.recheck,
                         confirm_seeds=args.confirm_seeds, budget_s=args.budget_s, clock=args.clock)
-    except ValueError as exc:
-        raise ConfigError(f"tune: {exc}") from None
+    except ConfigError:
+        raise
+    except ValueError as exc:  # TuneSpec's checks of the options
+        raise ConfigError(str(exc)) from None
     result = tune(spec, args.out, resume=args.resume)
     print(f"chosen: {result.chosen or 'none'}; report: {args.out}/report.md")
     return 0
@@ -175,8 +240,8 @@ def _cmd_report(args) -> int:
 
     try:
         result = report_runs(args.runs, args.target_j, reference=args.reference, delta=args.delta)
-    except ValueError as exc:
-        raise ConfigError(f"report: {exc}") from None
+    except ValueError as exc:  # report_runs' checks of the run directories
+        raise ConfigError(str(exc)) from None
     print(table_markdown(result.rows, result.reference))
     print(f"best: {result.chosen or 'none'}")
     for note in result.notes:
@@ -198,6 +263,7 @@ def _cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlengine", description="Single-process RL engine for LLMs.")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("info", help="show presets, devices and whether the C++ extension is built")
@@ -212,6 +278,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="12+34=", help="prompt text (built-in tokenizer for presets)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("generate", help="generate text from a checkpoint (or preset) through the engine",
+                       description="Text in, text out through the vLLM-style engine: --chat applies the "
+                       "checkpoint's chat template (with an optional --system turn); prints each completion.")
+    _add_model_args(p)
+    p.add_argument("--prompt", required=True, help="prompt text (with --chat: the user message)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--n", type=int, default=1, help="completions to print")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("train", help="run GRPO/PPO (default: GRPO on a built-in task with the tiny preset)",
                        description="Run an RL job. With no arguments: the embedded default (GRPO, tiny preset, "
@@ -274,30 +355,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta", type=float, default=0.1, help="q plateau tolerance for the B_gen figure")
     p.add_argument("--out", default=None, help="write report.md, report.json and figures/ here")
     p.set_defaults(func=_cmd_report)
+    for p in sub.choices.values():  # `rlengine CMD --debug` too (SUPPRESS: an absent flag keeps the global one)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
 
 
+DEBUG_HELP = "show the traceback of a user error too (bugs always show theirs)"
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that mean "the user's input is wrong" (a config value, a file, a data row, a
+    checkpoint, a reward function): one line, exit code 2. Every other exception is a bug."""
+    from rlengine.config import ConfigError  # DatasetError is a ConfigError
+    from rlengine.model.loader import CheckpointError
+    from rlengine.rl.rewards import RewardError
+
+    return ConfigError, CheckpointError, RewardError
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. A user error prints `rlengine CMD: error: MESSAGE` as the last stderr line
+    (rank 0 only) and returns 2; the lines of a multi-line message after its first (a failing reward
+    function's traceback, the list of prompts that do not fit) are printed above it. Bugs propagate."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if getattr(args, "command", None) == "train":
         args.overrides = unknown
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if getattr(args, "command", None) == "bench" and "--debug" in args.args:  # REMAINDER swallows it
+        args.args.remove("--debug")
+        args.debug = True
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    from rlengine.config import ConfigError
-    from rlengine.model.loader import CheckpointError
-    from rlengine.rl.rewards import RewardError
-
     try:
         return args.func(args)
-    except (RewardError, ConfigError, CheckpointError) as exc:
-        # the user's input (or reward function), not a bug: no traceback of ours, printed by one rank
+    except _user_errors() as exc:
         if _rank() == 0:
-            print(f"rlengine {args.command}: error: {exc}", file=sys.stderr)
+            command = f"bench {args.name}" if args.command == "bench" else args.command
+            _report(command, exc, debug=args.debug)
         return 2
+
+
+def _report(command: str, exc: BaseException, *, debug: bool) -> None:
+    """A user error on stderr: (with --debug our traceback,) any detail lines, then one summary line."""
+    import traceback
+
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    first, *rest = str(exc).strip().splitlines() or [type(exc).__name__]
+    for line in rest:
+        print(f"  {line}", file=sys.stderr)
+    tail = " (details above)" if rest else ""
+    print(f"rlengine {command}: error: {first.rstrip(': ')}{tail}", file=sys.stderr)
 
 
 def _rank() -> int:

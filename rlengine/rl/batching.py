@@ -71,9 +71,13 @@ class TrainBatch:
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
-         seq_advantages: list[float], rewards: list[float], routing: list | None = None) -> TrainBatch:
-    """Pack B responses. Raises ValueError for an empty completion or mismatched log-probs."""
+         seq_advantages: list[float], rewards: list[float], routing: list | None = None,
+         loss_weights: list[float] | None = None) -> TrainBatch:
+    """Pack B responses. loss_weights [B] (default all 1) scale each response's loss mask: 0 leaves it
+    in the batch with no gradient (train.overlong = "mask"). Raises ValueError for an empty
+    completion or mismatched log-probs."""
     ids, tgts, mask, old, adv, sid, cu = [], [], [], [], [], [], [0]
+    weights = loss_weights or [1.0] * len(completions)
     for b, (p, c, lp, a) in enumerate(zip(prompts, completions, logprobs, seq_advantages)):
         if not c or len(lp) != len(c):
             raise ValueError(f"response {b}: {len(c)} tokens with {len(lp)} log-probs (need equal, >= 1)")
@@ -82,7 +86,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[
         ids.extend(seq[:-1])
         tgts.extend(seq[1:])
         pad = len(p) - 1
-        mask.extend([0.0] * pad + [1.0] * len(c))
+        mask.extend([0.0] * pad + [weights[b]] * len(c))
         old.extend([0.0] * pad + list(lp))
         adv.extend([0.0] * pad + [a] * len(c))
         sid.extend([b] * n_in)
@@ -112,7 +116,7 @@ def ppo_batch(groups: list[RolloutGroup]) -> TrainBatch:
 
 def _flatten(groups: list[RolloutGroup], adv_PG: torch.Tensor) -> TrainBatch:
     """Pack the responses of `groups` in group order, response i of group p with advantage adv_PG[p, i]."""
-    prompts, comps, lps, advs, rews, routing = [], [], [], [], [], []
+    prompts, comps, lps, advs, rews, routing, weights = [], [], [], [], [], [], []
     for g, adv_G in zip(groups, adv_PG.tolist()):
         for i, c in enumerate(g.completions):
             prompts.append(g.prompt_ids)
@@ -120,6 +124,7 @@ def _flatten(groups: list[RolloutGroup], adv_PG: torch.Tensor) -> TrainBatch:
             lps.append(g.logprobs[i])
             advs.append(adv_G[i])
             rews.append(g.rewards[i])
+            weights.append(g.loss_weights[i] if g.loss_weights else 1.0)
             if g.routing_ids:
                 routing.append(g.routing_ids[i])
-    return pack(prompts, comps, lps, advs, rews, routing if len(routing) == len(comps) else None)
+    return pack(prompts, comps, lps, advs, rews, routing if len(routing) == len(comps) else None, weights)

@@ -2,8 +2,10 @@
 
     rlengine train --config grpo.toml --train.b_train 256 --gen.b_gen 512
 
-Every field is validated in __post_init__ with a message naming `section.field` and the
-allowed range. Unknown keys (in a file or an override) are errors, never silently ignored.
+Every value is first checked against its field's declared type (_typed: a bool is not an int,
+an int is accepted for a float, a list becomes a tuple), then validated in __post_init__ with a
+message naming `section.field` and the allowed range; both raise ConfigError. Unknown keys (in a
+file or an override) are errors, never silently ignored.
 B_train = P * G retained responses per optimizer update: set either train.prompts_per_step
 (P) or train.b_train (which must be divisible by G).
 """
@@ -11,7 +13,10 @@ B_train = P * G retained responses per optimizer update: set either train.prompt
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +38,8 @@ class ModelSection:
     moe_impl: str = "ref"                # ref | triton | auto (triton on GPU)
 
     def __post_init__(self):
+        _check(bool(self.name), "model.name is required: a preset (tiny, ...) or a HF checkpoint directory "
+                                "(--model.name DIR)")
         # float64 is for tests: runs on 1 and 2 ranks then agree token for token (no rounding flips)
         _check(self.dtype in ("float32", "bfloat16", "float16", "float64"),
                f"model.dtype must be float32|bfloat16|float16|float64, got {self.dtype!r}")
@@ -46,16 +53,28 @@ class TaskSection:
     name: str = "first-digit"            # built-in task name, or "jsonl"
     path: str = ""                       # JSONL file for name = "jsonl": {"prompt": ..., "answer": ...} per line
     eval_path: str = ""                  # optional held-out JSONL; else a split of `path`
-    reward: str = ""                     # reward registry name; "" = the task's own
+    reward: str = ""                     # registered name (exact | math | format) or plugin "pkg.module:fn"; "" = the task's own
     num_train: int = 2000
     num_eval: int = 128
     seed: int = 1234
     max_reward_error_frac: float = 0.01  # rewards that raise score 0 up to this fraction of a batch; above: stop
+    reward_workers: int = 0              # 0 = score in this process; > 0 = a spawned pool of this many workers
+    reward_timeout: float = 30.0         # seconds per reward call in the pool; past it: scores 0, counted, worker replaced
+    chat_template: bool = False          # wrap prompts as chat messages through the tokenizer's chat template
+    system_prompt: str = ""              # with chat_template: the system message ("" = none)
 
     def __post_init__(self):
         _check(self.num_train >= 1 and self.num_eval >= 1, "task.num_train and task.num_eval must be >= 1")
         _check(0.0 <= self.max_reward_error_frac <= 1.0,
                f"task.max_reward_error_frac must be in [0, 1], got {self.max_reward_error_frac}")
+        _check(self.reward_workers >= 0, f"task.reward_workers must be >= 0, got {self.reward_workers}")
+        _check(self.reward_timeout > 0, f"task.reward_timeout must be > 0 seconds, got {self.reward_timeout}")
+        _check(not self.system_prompt or self.chat_template,
+               "task.system_prompt needs task.chat_template = true (a system message exists only in a chat)")
+        if ":" in self.reward:  # a plugin: import it now, so a bad spec stops the job before anything is built
+            from rlengine.rl.rewards import load_plugin
+
+            load_plugin(self.reward)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -120,6 +139,14 @@ class TrainSection:
     # PPO
     critic_lr_mult: float = 10.0
     critic_warmup: int = 0               # critic-only updates first; their responses are not counted in N
+    # Over-long responses (cut at gen.max_tokens): none | mask (zero loss weight, still counted in N) |
+    # soft (DAPO's soft overlong punishment over the last overlong_buffer tokens, added to the reward)
+    overlong: str = "none"
+    overlong_buffer: int = 0             # L_cache of "soft"; 0 = gen.max_tokens // 4
+    # LR schedule on top of lr_effective: constant | linear | cosine, after warmup_updates of linear warm-up
+    lr_schedule: str = "constant"
+    warmup_updates: int = 0
+    min_lr_ratio: float = 0.0            # linear / cosine decay to min_lr_ratio * lr at the last update
     gamma: float = 1.0
     lam: float = 0.95
     vf_clip: float = 0.2
@@ -150,6 +177,13 @@ class TrainSection:
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0, "train.clip_low must be in [0, 1) and clip_high >= 0")
         _check(self.micro_batch >= 0, f"train.micro_batch must be >= 0, got {self.micro_batch}")
         _check(0 < self.gamma <= 1 and 0 <= self.lam <= 1, "train.gamma must be in (0, 1] and train.lam in [0, 1]")
+        _check(self.overlong in ("none", "mask", "soft"), f"train.overlong must be none|mask|soft, got {self.overlong!r}")
+        _check(self.overlong_buffer >= 0, f"train.overlong_buffer must be >= 0, got {self.overlong_buffer}")
+        _check(self.lr_schedule in ("constant", "linear", "cosine"),
+               f"train.lr_schedule must be constant|linear|cosine, got {self.lr_schedule!r}")
+        _check(0 <= self.warmup_updates < self.updates,
+               f"train.warmup_updates must be in [0, train.updates = {self.updates}), got {self.warmup_updates}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
     @property
     def lr_effective(self) -> float:
@@ -174,12 +208,33 @@ class EvalSection:
     every_responses: int = 0             # if > 0: evaluate each time N crosses a multiple of this (not `every`)
     k: int = 1                           # mean@k samples per prompt
     temperature: float = 0.0             # 0 = greedy
+    # Named eval sets, {name = "path.jsonl", ...} (TOML table [eval.sets] or an inline table); each is
+    # logged as eval/<name>/mean@k and eval/<name>/pass@k. Empty: one set, "heldout" = the task's split.
+    sets: dict[str, str] = field(default_factory=dict)
+    primary: str = ""                    # the set whose mean@k is J (N*, accounting); "" = the first
+    pass_threshold: float = 1.0          # pass@k: a sample is correct when its reward >= this
 
     def __post_init__(self):
         _check(self.every >= 1, f"eval.every must be >= 1, got {self.every}")
         _check(self.every_responses >= 0, f"eval.every_responses must be >= 0, got {self.every_responses}")
         _check(self.k >= 1, f"eval.k must be >= 1, got {self.k}")
         _check(self.temperature >= 0, f"eval.temperature must be >= 0, got {self.temperature}")
+        _check(isinstance(self.sets, dict) and all(isinstance(k, str) and k and isinstance(v, str) and v
+                                                   for k, v in self.sets.items()),
+               f"eval.sets must be a table of name = \"path.jsonl\" entries, got {self.sets!r}")
+        _check(all("/" not in k for k in self.sets), f"eval.sets names may not contain '/': {sorted(self.sets)}")
+        names = list(self.sets) or ["heldout"]
+        _check(not self.primary or self.primary in names,
+               f"eval.primary = {self.primary!r} is not an eval set; sets: {', '.join(names)}")
+
+    @property
+    def set_names(self) -> list[str]:
+        """The eval sets' names in order ("heldout" when eval.sets is empty)."""
+        return list(self.sets) or ["heldout"]
+
+    @property
+    def primary_set(self) -> str:
+        return self.primary or self.set_names[0]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -188,6 +243,16 @@ class RunSection:
     seed: int = 0
     checkpoint_every: int = 0            # updates; 0 = only at the end
     progress: bool = True
+    samples_every: int = 0               # every k updates append the batch's responses to samples.jsonl; 0 = never
+    tensorboard: bool = False            # also write metrics as TensorBoard event files in out_dir
+
+    def __post_init__(self):
+        _check(self.samples_every >= 0, f"run.samples_every must be >= 0, got {self.samples_every}")
+        if self.tensorboard:
+            import importlib.util
+
+            _check(importlib.util.find_spec("tensorboard") is not None,
+                   "run.tensorboard = true needs the tensorboard package (`pip install tensorboard`)")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -205,6 +270,11 @@ class TrainConfig:
         _check(b_gen >= self.train.group_size,
                f"gen.b_gen ({b_gen}) must hold at least one group of G={self.train.group_size} responses")
         self.gen.b_gen = b_gen
+        t = self.train
+        if t.overlong == "soft":
+            t.overlong_buffer = t.overlong_buffer or max(1, self.gen.max_tokens // 4)
+            _check(t.overlong_buffer <= self.gen.max_tokens,
+                   f"train.overlong_buffer ({t.overlong_buffer}) must be <= gen.max_tokens ({self.gen.max_tokens})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -217,13 +287,15 @@ class TrainConfig:
         built = {}
         for name in sections:
             section_cls = _SECTION_TYPES[name]
+            _check(isinstance(d.get(name, {}), dict),
+                   f"config section [{name}] must be a table of key = value lines, got {d.get(name)!r}")
             values = dict(d.get(name, {}))
             known = {f.name for f in dataclasses.fields(section_cls)}
             bad = sorted(set(values) - known)
             _check(not bad, f"unknown config key(s) {', '.join(f'{name}.{k}' for k in bad)}; "
                             f"known in [{name}]: {', '.join(sorted(known))}")
-            if "betas" in values:
-                values["betas"] = tuple(values["betas"])
+            hints = typing.get_type_hints(section_cls)
+            values = {k: _typed(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
             built[name] = section_cls(**values)
         return cls(**built)
 
@@ -232,30 +304,113 @@ _SECTION_TYPES = {"model": ModelSection, "task": TaskSection, "gen": GenSection,
                   "warmstart": WarmStartSection, "eval": EvalSection, "run": RunSection}
 
 
-def _parse_value(text: str):
-    """A command-line override value: TOML scalar syntax, bare words as strings."""
+def _parse_value(text: str, declared=None):
+    """A command-line override value: TOML scalar syntax, bare words as strings. For a field
+    declared `str` the text itself, unless it is a quoted TOML string (so --run.out_dir 2024 is "2024")."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        parsed = tomllib.loads(f"v = {text}")
     except tomllib.TOMLDecodeError:
         return text
+    if list(parsed) != ["v"]:  # "1\nw = 2": more than one value, so not a TOML scalar
+        return text
+    value = parsed["v"]
+    return text if declared is str and not isinstance(value, str) else value
+
+
+def _describe(tp) -> str:
+    """How an error message names the declared type `tp`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list (each {_describe(args[0])})"
+        return f"a list of {len(args)} values ({', '.join(_describe(a) for a in args)})"
+    if origin is list:
+        return f"a list (each {_describe(args[0])})" if args else "a list"
+    if origin is dict:
+        return f"a table (each value {_describe(args[1])})" if args else "a table"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a table",
+            type(None): "absent"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _typed(where: str, value, tp):
+    """`value` (from TOML, JSON or an override) as the declared type `tp` of field `where`: an int is
+    accepted for a float; bools are not ints; lists become tuples. ConfigError naming the field otherwise."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    bad = ConfigError(f"{where} must be {_describe(tp)}, got {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        for member in args:
+            try:
+                return _typed(where, value, member)
+            except ConfigError:
+                pass
+        raise bad
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise bad
+            return tuple(_typed(f"{where}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, args)))
+        items = [_typed(f"{where}[{i}]", v, args[0]) if args else v for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        kt, vt = args or (typing.Any, typing.Any)
+        return {_typed(f"{where} key", k, kt): _typed(f"{where}.{k}", v, vt) for k, v in value.items()}
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= 1e308
+        if not ok or not math.isfinite(value):  # the bound: float(10**400) would overflow
+            raise ConfigError(f"{where} must be a finite number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp in (bool, str, dict, type(None)):
+        if not isinstance(value, tp):
+            raise bad
+        return value
+    return value  # a type this parser has no rule for: the section's __post_init__ checks it
+
+
+def packaged_config(path: str | Path) -> Path:
+    """A --config value as a file: the path itself when it exists, else a bare name (no suffix, no
+    directory) of a config shipped in rlengine/configs ("gsm8k" -> rlengine/configs/gsm8k.toml)."""
+    path = Path(path)
+    if path.is_file() or path.suffix or len(path.parts) != 1:
+        return path
+    from importlib import resources
+
+    shipped = Path(str(resources.files("rlengine") / "configs" / f"{path}.toml"))
+    if not shipped.is_file():
+        names = sorted(p.stem for p in shipped.parent.glob("*.toml"))
+        raise ConfigError(f"config {str(path)!r}: no such file, and no packaged config of that name "
+                          f"(packaged: {', '.join(names)})")
+    return shipped
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict | None = None) -> TrainConfig:
     """TOML file (or a `base` dict, e.g. a run's saved config) + dotted overrides
     ["--train.b_train", "256", "--gen.b_gen=512", ...]."""
-    data: dict = {k: dict(v) for k, v in (base or {}).items()}
+    data: dict = {k: dict(v) if isinstance(v, dict) else v for k, v in (base or {}).items()}  # from_dict checks
     if path:
-        path = Path(path)
+        path = packaged_config(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} not found")
         try:
             data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{path}: invalid TOML ({exc})") from None
     for key, value in _split_overrides(overrides or []):
         section, name = key.split(".", 1)
-        data.setdefault(section, {})[name] = _parse_value(value)
+        _check(isinstance(data.setdefault(section, {}), dict),
+               f"--{key}: config section [{section}] is not a table ({data[section]!r})")
+        declared = typing.get_type_hints(_SECTION_TYPES[section]) if section in _SECTION_TYPES else {}
+        data[section][name] = _parse_value(value, declared.get(name))
     return TrainConfig.from_dict(data)
 
 
@@ -263,12 +418,10 @@ def _split_overrides(args: list[str]) -> list[tuple[str, str]]:
     """["--a.b", "1", "--c.d=x"] -> [("a.b", "1"), ("c.d", "x")]; malformed ones are ConfigErrors."""
     pairs, i = [], 0
     while i < len(args):
-        key = args[i]
-        _check(key.startswith("--") and "." in key, f"override {key!r} must look like --section.key VALUE")
-        key = key[2:]
-        if "=" in key:
-            key, value = key.split("=", 1)
-        else:
+        arg = args[i]
+        key, eq, value = arg[2:].partition("=")
+        _check(arg.startswith("--") and "." in key, f"override {arg!r} must look like --section.key VALUE")
+        if not eq:
             _check(i + 1 < len(args), f"override --{key} needs a value")
             i += 1
             value = args[i]
@@ -279,7 +432,8 @@ def _split_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 # Overrides a resumed run accepts: they change how long it runs, how it is evaluated, logged and
 # saved, never what an update computes. Any other override on --resume is an error.
-RESUME_OVERRIDABLE = ("train.updates", "eval.*", "run.checkpoint_every", "run.progress", "run.out_dir")
+RESUME_OVERRIDABLE = ("train.updates", "eval.*", "run.checkpoint_every", "run.progress", "run.out_dir",
+                      "run.samples_every", "run.tensorboard")
 
 
 def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:
@@ -300,6 +454,16 @@ def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> Tr
         _check(key in RESUME_OVERRIDABLE or f"{section}.*" in RESUME_OVERRIDABLE,
                f"--{key} cannot change on --resume (it would change what the run computes); "
                f"allowed: {', '.join(RESUME_OVERRIDABLE)}")
-    base = json.loads(saved.read_text())
-    base.setdefault("run", {})["out_dir"] = str(run_dir)
+    from rlengine.rl.checkpoint import latest_checkpoint
+
+    try:
+        latest_checkpoint(run_dir)
+        base = json.loads(saved.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--resume: {exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--resume {run_dir}: {saved} is not valid JSON ({exc})") from None
+    _check(isinstance(base, dict), f"--resume {run_dir}: {saved} is not a config object")
+    _check(isinstance(base.setdefault("run", {}), dict), f"--resume {run_dir}: {saved} has no [run] table")
+    base["run"]["out_dir"] = str(run_dir)
     return load_config(None, overrides, base=base)

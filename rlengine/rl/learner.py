@@ -92,6 +92,14 @@ class Learner:
             self.critic_optim = LearnerOptimizer(self.critic.parameters(), lr=cfg.lr_effective * cfg.critic_lr_mult,
                                                  betas=cfg.betas, weight_decay=cfg.weight_decay, masters=masters)
 
+    def set_lr_factor(self, factor: float) -> None:
+        """LR of the next step(s) = lr_effective * factor (critic: * critic_lr_mult); rlengine/rl/schedule.py."""
+        for group in self.opt.param_groups:
+            group["lr"] = self.cfg.lr_effective * factor
+        if self.critic_optim is not None:
+            for group in self.critic_opt.param_groups:
+                group["lr"] = self.cfg.lr_effective * self.cfg.critic_lr_mult * factor
+
     # What checkpoints save: the torch optimizers and the fp32 masters (None without them).
     @property
     def opt(self) -> torch.optim.Optimizer:
@@ -184,7 +192,8 @@ class Learner:
         seqs = tokens if self.cfg.agg == "token-mean" else float(
             len({int(s) for s in batch.seq_ids[batch.loss_mask > 0].tolist()}))
         seqs, tokens = self.dist.all_sum([seqs, tokens])
-        return seqs, max(1.0, tokens)
+        # >= 1: a batch with no trained token (every response masked as over-long) has loss 0, not 0/0
+        return max(1.0, seqs), max(1.0, tokens)
 
     def _set_replay(self, mb: TrainBatch | None) -> None:
         for i, block in enumerate(self.model.moe_blocks()):

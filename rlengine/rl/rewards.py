@@ -1,22 +1,35 @@
-"""Reward functions, their registry, and the scorer that bounds how often they may fail.
+"""Reward functions: the registry, user plugins, and the scorer that bounds how often they fail.
 
-A reward function maps (completion text, reference answer) -> float. Built-ins: exact match
-on the first answer token run ("exact"), and a math-answer reward built on math-verify
-("math"), which parses both sides and checks mathematical equivalence (so "0.5" matches
-"\\frac{1}{2}"). Register custom ones with @register_reward("name"); a reward that needs an
-optional package names it (requires=(module, pip name)) and get_reward checks it is
-importable, so a missing package stops the run at start instead of scoring every response 0.
+A reward maps one response to a score. Built-ins (registered names): "exact" (the stripped
+completion equals the answer), "math" (math-verify parses both sides and checks mathematical
+equivalence, so "0.5" matches "\\frac{1}{2}") and "format" (1.0 when the completion states a
+final answer in a recognised format, \\boxed{...} or a GSM8K "#### N" line). Plugins:
+task.reward = "package.module:function" imports the function (importlib, never eval), with the
+documented signature
+
+    fn(completion: str, answer: str, prompt: str, extra: dict) -> float | dict
+
+(a dict must hold "score"; its other numeric keys are logged as reward components
+reward/<key>). A two-argument fn(completion, answer) is accepted too (the registry's older
+contract). Loading fails with a ConfigError naming the spec. A registered reward that needs an
+optional package names it (requires=(module, pip name)) and get_reward checks it is importable,
+so a missing package stops the run at start instead of scoring every response 0.
 All scoring goes through a RewardScorer, one per batch (a collect() call, one evaluation): a
-call that raises or returns a non-finite value scores 0.0 and is counted; above
-max_error_frac of the batch the scorer raises RewardError with the first traceback.
+call that raises, returns a non-finite value or times out (rlengine/rl/reward_pool.py) scores
+0.0 and is counted; above max_error_frac of the batch the scorer raises RewardError with the
+first traceback.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import inspect
 import math
+import re
 import traceback
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 from rlengine.config import ConfigError
 
@@ -25,7 +38,7 @@ if TYPE_CHECKING:
     from rlengine.model.tokenizer import Tokenizer
     from rlengine.rl.tasks import Problem
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[..., Any]   # fn(completion, answer[, prompt, extra]) -> float | {"score": float, ...}
 REWARDS: dict[str, RewardFn] = {}
 REQUIRES: dict[str, tuple[str, str]] = {}    # reward name -> (module it imports, package to pip install)
 
@@ -35,7 +48,7 @@ class RewardError(RuntimeError):
 
 
 def register_reward(name: str, *, requires: tuple[str, str] | None = None):
-    """Decorator: make `fn(completion, answer) -> float` available as task.reward = name.
+    """Decorator: make `fn(completion, answer[, prompt, extra]) -> float` available as task.reward = name.
 
     requires = (module, pip name) of an optional package the function imports when called.
     """
@@ -52,7 +65,8 @@ def register_reward(name: str, *, requires: tuple[str, str] | None = None):
 def get_reward(name: str) -> RewardFn:
     """The registered reward `name`; ConfigError when it is unknown or its package is missing."""
     if name not in REWARDS:
-        raise ConfigError(f"unknown reward {name!r}; registered: {', '.join(sorted(REWARDS))}")
+        raise ConfigError(f"unknown reward {name!r}; registered: {', '.join(sorted(REWARDS))}, "
+                          "or a plugin 'package.module:function'")
     if name in REQUIRES:
         module, pip_name = REQUIRES[name]
         if importlib.util.find_spec(module) is None:
@@ -61,37 +75,131 @@ def get_reward(name: str) -> RewardFn:
     return REWARDS[name]
 
 
-class RewardScorer:
-    """Scores responses with one reward function and counts the calls that fail.
+def load_plugin(spec: str) -> RewardFn:
+    """The function named by `spec` = "package.module:function" (attribute paths "mod:obj.fn" too).
 
-    A failure (an exception, or a non-finite return value) scores 0.0; the first one's
+    ConfigError naming the spec when the module does not import, the attribute is missing or it is
+    not callable. Imports run the module's top-level code, exactly as `import` would.
+    """
+    module_name, _, attr = spec.partition(":")
+    where = f"task.reward = {spec!r}"
+    if not module_name or not attr:
+        raise ConfigError(f"{where}: a plugin is written 'package.module:function'")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure of user code is a config error
+        raise ConfigError(f"{where}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{where}: {attr!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def resolve_reward(spec: str) -> RewardFn:
+    """task.reward -> the function: a plugin "module:function" or a registered name."""
+    return load_plugin(spec) if ":" in spec else get_reward(spec)
+
+
+def importable_spec(fn: RewardFn) -> str | None:
+    """"module:qualname" under which a child process can import `fn`, or None (a lambda, a closure,
+    a function defined in __main__)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or not qualname or "<" in qualname:
+        return None
+    return f"{module}:{qualname}"
+
+
+@dataclass(slots=True)
+class RewardCall:
+    """The inputs of one reward call (what a worker process receives)."""
+
+    completion: str                      # decoded response text
+    answer: str                          # the problem's reference answer
+    prompt: str = ""                     # the problem's prompt text (before any chat template)
+    extra: dict = field(default_factory=dict)   # the problem's other fields (JSONL columns)
+
+
+@dataclass(slots=True)
+class RewardOutcome:
+    """What one reward call produced: a score, or the failure that scores it 0."""
+
+    score: float = 0.0
+    components: dict = field(default_factory=dict)   # other numeric keys of a dict return value
+    error: str = ""                      # formatted traceback (or timeout message); "" = success
+
+
+def _takes_four(fn: RewardFn) -> bool:
+    """True when fn accepts (completion, answer, prompt, extra) positionally (the plugin signature)."""
+    try:
+        inspect.signature(fn).bind("", "", "", {})
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def call_reward(fn: RewardFn, call: RewardCall, four: bool | None = None) -> RewardOutcome:
+    """Run fn on one call; any exception or non-finite/ill-formed result becomes a failed outcome."""
+    try:
+        four = _takes_four(fn) if four is None else four
+        value = fn(call.completion, call.answer, call.prompt, call.extra) if four else fn(call.completion, call.answer)
+        components = {}
+        if isinstance(value, dict):
+            if "score" not in value:
+                raise ValueError(f"reward function returned a dict without 'score' (keys: {sorted(value)})")
+            components = {k: float(v) for k, v in value.items()
+                          if k != "score" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            value = value["score"]
+        reward = float(value)
+        if not math.isfinite(reward):
+            raise ValueError(f"reward function returned a non-finite value ({reward})")
+    except Exception:  # noqa: BLE001 - any failure of user code is counted, bounded and reported
+        return RewardOutcome(error=traceback.format_exc())
+    return RewardOutcome(reward, components)
+
+
+class RewardScorer:
+    """Counts the reward calls of one batch that fail and turns outcomes into rewards.
+
+    A failure (an exception, a non-finite return value, a timeout) scores 0.0; the first one's
     formatted traceback is kept for the error message. check() raises RewardError when
-    errors / total > max_error_frac. Use one scorer per batch.
+    errors / total > max_error_frac. Use one scorer per batch. score() calls reward_fn here, in
+    this process; record() accounts an outcome computed elsewhere (a worker process).
     """
 
-    def __init__(self, reward_fn: RewardFn, max_error_frac: float):
+    def __init__(self, reward_fn: RewardFn | None, max_error_frac: float):
         self.reward_fn = reward_fn
+        self.four = None if reward_fn is None else _takes_four(reward_fn)
         self.max_error_frac = max_error_frac
         self.total = 0
         self.errors = 0
         self.first_error = ""          # formatted traceback of the first failure
+        self.component_sums: dict[str, float] = {}
 
-    def score(self, completion: str, answer: str) -> float:
+    def score(self, completion: str, answer: str, prompt: str = "", extra: dict | None = None) -> float:
+        return self.record(call_reward(self.reward_fn, RewardCall(completion, answer, prompt, extra or {}),
+                                       self.four))
+
+    def record(self, outcome: RewardOutcome) -> float:
         self.total += 1
-        try:
-            reward = float(self.reward_fn(completion, answer))
-            if not math.isfinite(reward):
-                raise ValueError(f"reward function returned a non-finite value ({reward})")
-        except Exception:  # noqa: BLE001 - any failure of user code is counted, bounded and reported
+        if outcome.error:
             self.errors += 1
             if not self.first_error:
-                self.first_error = traceback.format_exc()
+                self.first_error = outcome.error
             return 0.0
-        return reward
+        for k, v in outcome.components.items():
+            self.component_sums[k] = self.component_sums.get(k, 0.0) + v
+        return outcome.score
 
     @property
     def error_frac(self) -> float:
         return self.errors / self.total if self.total else 0.0
+
+    def component_means(self) -> dict[str, float]:
+        """reward/<key>: the mean of each dict-returned component over this batch's calls."""
+        return {f"reward/{k}": v / max(1, self.total) for k, v in sorted(self.component_sums.items())}
 
     def merge_ranks(self, dist) -> None:
         """Sum the counts of every rank (a Dist; all ranks call it) and keep the first rank's first
@@ -110,20 +218,29 @@ class RewardScorer:
                 f"task.max_reward_error_frac = {self.max_error_frac}; the first failure was:\n{self.first_error}")
 
 
+def score_samples(runner, scorer: RewardScorer, tokenizer: Tokenizer, problems: list[Problem],
+                  outputs: list[RequestOutput]) -> list[list[float]]:
+    """Rewards [len(problems)][n] of every sample of `outputs` (outputs[i] answers problems[i]) through
+    `runner` (a reward_pool runner; all calls submitted at once, gathered in order), counted by `scorer`."""
+    if len(problems) != len(outputs):
+        raise ValueError(f"score_samples: {len(outputs)} outputs for {len(problems)} problems")
+    tickets = [runner.submit([RewardCall(tokenizer.decode(c.token_ids), p.answer, p.prompt, dict(p.extra))
+                              for c in out.outputs]) for p, out in zip(problems, outputs)]
+    return [[scorer.record(o) for o in runner.gather(t)] for t in tickets]
+
+
 def score_outputs(reward_fn: RewardFn, tokenizer: Tokenizer, problems: list[Problem], outputs: list[RequestOutput],
                   max_error_frac: float, where: str = "evaluation", dist=None) -> tuple[float, int]:
-    """Mean reward over every sample of `outputs` (outputs[i] answers problems[i]) and the failure count.
+    """Mean reward over every sample of `outputs` (outputs[i] answers problems[i]) and the failure count,
+    scored in this process.
 
     With a multi-rank `dist` (rlengine.rl.distributed.Dist), each rank passes its shard and gets the
     global mean and count. Raises RewardError when more than max_error_frac of the calls failed.
     """
-    if len(problems) != len(outputs):
-        raise ValueError(f"score_outputs: {len(outputs)} outputs for {len(problems)} problems")
+    from rlengine.rl.reward_pool import InlineRunner
+
     scorer = RewardScorer(reward_fn, max_error_frac)
-    total = 0.0
-    for problem, out in zip(problems, outputs):
-        for c in out.outputs:
-            total += scorer.score(tokenizer.decode(c.token_ids), problem.answer)
+    total = sum(sum(r) for r in score_samples(InlineRunner(reward_fn), scorer, tokenizer, problems, outputs))
     if dist is not None and dist.enabled:
         total = dist.all_sum([total])[0]
         scorer.merge_ranks(dist)
@@ -132,13 +249,13 @@ def score_outputs(reward_fn: RewardFn, tokenizer: Tokenizer, problems: list[Prob
 
 
 @register_reward("exact")
-def exact_match(completion: str, answer: str) -> float:
+def exact_match(completion: str, answer: str, prompt: str = "", extra: dict | None = None) -> float:
     """1.0 when the completion (whitespace-stripped) equals the answer, else 0.0."""
     return float(completion.strip() == answer.strip())
 
 
 @register_reward("math", requires=("math_verify", "math-verify"))
-def math_answer(completion: str, answer: str) -> float:
+def math_answer(completion: str, answer: str, prompt: str = "", extra: dict | None = None) -> float:
     """1.0 when math-verify finds the completion's final answer equivalent to the reference."""
     from math_verify import parse, verify
 
@@ -147,3 +264,15 @@ def math_answer(completion: str, answer: str) -> float:
     if not gold or not pred:
         return 0.0
     return float(verify(gold, pred))
+
+
+_BOXED = re.compile(r"\\boxed\{\s*[^{}\s][^{}]*\}")
+_HASHES = re.compile(r"^\s*####\s*-?[\d,]*\.?\d+\s*$", re.MULTILINE)
+
+
+@register_reward("format")
+def final_answer_format(completion: str, answer: str = "", prompt: str = "", extra: dict | None = None) -> float:
+    """1.0 when the completion states a final answer as \\boxed{...} (non-empty) or on a GSM8K line
+    "#### N" (N a number, commas allowed), else 0.0. Correctness is not checked: use it beside
+    (or instead of, early on) "math" to reward the format the answer is parsed from."""
+    return float(bool(_BOXED.search(completion) or _HASHES.search(completion)))

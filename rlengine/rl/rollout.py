@@ -10,6 +10,11 @@ between its oldest token and the update that consumes it). A request whose lag p
 is aborted as soon as the weights move on (its KV blocks freed, a fresh prompt submitted in
 its place), not generated to the end and then dropped. Rewards go through a RewardScorer per
 collect() call: failures score 0 and are counted; above max_reward_error_frac the call raises.
+Scoring overlaps decoding: a finished request's calls go to the reward runner (reward_pool.py)
+at once and its group waits in `pending`; groups are applied (sampler update, dynamic-sampling
+filter, retained) strictly in submission order at fixed points — coupled: at the end of each
+wave; async: after the next engine step, or at once when the pending ones could complete the
+batch — so the run is the same whether rewards run in this process or in worker processes.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import random
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.distributed import Dist
-from rlengine.rl.rewards import RewardScorer
+from rlengine.rl.reward_pool import InlineRunner
+from rlengine.rl.rewards import RewardCall, RewardScorer
 from rlengine.rl.tasks import Problem, Task
 
 
@@ -39,6 +47,8 @@ class RolloutGroup:
     finish_reasons: list[str]
     routing_ids: list = field(default_factory=list)   # [G] tensors [len-1, L_moe, K] or empty
     reward_errors: int = 0
+    scores: list[float] = field(default_factory=list)        # [G] task rewards before shaping ([] = rewards)
+    loss_weights: list[float] = field(default_factory=list)  # [G] 0 excludes a response from the loss; [] = all 1
 
     def lag(self, version: int) -> int:
         """Policy lag: updates between the oldest token of the group and the consuming update."""
@@ -95,6 +105,7 @@ class CollectStats:
     groups_stale: int = 0                # finished groups dropped for policy lag > max_lag
     stale_aborted: int = 0               # requests aborted in flight once their lag passed max_lag
     reward_errors: int = 0
+    reward_components: dict = field(default_factory=dict)  # reward/<key> means of dict-returning rewards
     filter_fallback: bool = False        # dynamic sampling hit its budget and kept groups unfiltered
     rewards: list = field(default_factory=list)  # rewards of the batch's responses on ALL ranks, in order
 
@@ -124,7 +135,10 @@ class RolloutCollector:
     def __init__(self, llm: LLM, tokenizer: Tokenizer, task: Task, *, group_size: int, b_train: int, b_gen: int,
                  params: SamplingParams, sampler: PrioritySampler, dynamic_sampling: bool, max_lag: int,
                  max_filter_factor: int = 8, max_reward_error_frac: float = 0.01, dist: Dist | None = None,
-                 seed: int = 0):
+                 seed: int = 0, runner=None, encode_prompt: Callable[[str], list[int]] | None = None):
+        """runner: where reward calls run (reward_pool.InlineRunner / RewardPool; default: in this process
+        with task.reward_fn). encode_prompt: prompt text -> token ids (default tokenizer.encode; the
+        trainer passes the chat-template encoder)."""
         self.dist = dist or Dist()
         self.seed = seed
         self.next_request = 0                         # global request index of the next coupled submission
@@ -141,6 +155,10 @@ class RolloutCollector:
         self.request_index: dict[str, int] = {}      # request id -> global request index (coupled mode)
         self.ready: list[RolloutGroup] = []           # retained groups not yet consumed
         self.checked_version = -1                     # weight version of the last stale scan
+        self.runner = runner if runner is not None else InlineRunner(task.reward_fn)
+        self.encode = encode_prompt or tokenizer.encode
+        self.pending: deque[_PendingGroup] = deque()  # finished, scoring submitted, not yet applied (async)
+        self.applicable = 0                           # pending groups submitted before the last engine step
 
     @property
     def async_mode(self) -> bool:
@@ -148,7 +166,7 @@ class RolloutCollector:
 
     def _submit(self) -> None:
         idx = self.sampler.sample()
-        prompt = self.tok.encode(self.task.train[idx].prompt)
+        prompt = self.encode(self.task.train[idx].prompt)
         rid = self.llm.add_request(prompt, self.params)
         self.in_flight[rid] = idx
 
@@ -165,10 +183,14 @@ class RolloutCollector:
             return self._collect_coupled(stats)
         need = self.b_train // self.G // self.dist.world
         scored_at_start = stats.groups_scored
-        scorer = RewardScorer(self.task.reward_fn, self.max_reward_error_frac)
+        scorer = RewardScorer(None, self.max_reward_error_frac)
         while True:
             self.abort_stale(stats)
             self._drop_stale(stats)
+            # groups scored since before the last step are applied; all pending ones when they could
+            # complete the batch (then decoding more would only make work the batch does not need)
+            complete = len(self.ready) + len(self.pending) >= need
+            self._apply_pending(len(self.pending) if complete else self.applicable, scorer, stats)
             if len(self.ready) >= need:
                 break
             if self.dynamic_sampling and stats.groups_scored - scored_at_start >= self.max_filter_factor * need:
@@ -177,20 +199,28 @@ class RolloutCollector:
             cap = self.b_gen // self.G // self.dist.world
             while len(self.in_flight) < cap:
                 self._submit()
+            self.applicable = len(self.pending)
             for out in self.llm.step():
-                self._score(out, scorer, stats)
+                self.pending.append(self._submit_scoring(out))
         scorer.check(f"rollout batch at weight version {self.llm.weight_version}")
         batch, self.ready = self.ready[:need], self.ready[need:]
         self.filtering = True
         stats.rewards = [r for g in batch for r in g.rewards]
+        stats.reward_components = scorer.component_means()
         return batch
+
+    def _apply_pending(self, count: int, scorer: RewardScorer, stats: CollectStats) -> None:
+        """Apply the oldest `count` pending groups, in submission order (waiting for their rewards)."""
+        for _ in range(count):
+            self._score(self._finish(self.pending.popleft(), scorer), stats)
+        self.applicable = max(0, self.applicable - count)
 
     def _collect_coupled(self, stats: CollectStats) -> list[RolloutGroup]:
         """Waves of the still-missing group count until P groups are retained over all ranks; returns
         this rank's share of them (possibly none). Every rank makes the same decisions."""
         need, d = self.b_train // self.G, self.dist
         scored_at_start, retained, kept = stats.groups_scored, 0, []
-        scorer = RewardScorer(self.task.reward_fn, self.max_reward_error_frac)
+        scorer = RewardScorer(None, self.max_reward_error_frac)
         while retained < need:
             if self.dynamic_sampling and stats.groups_scored - scored_at_start >= self.max_filter_factor * need:
                 self.filtering, stats.filter_fallback = False, True
@@ -200,14 +230,14 @@ class RolloutCollector:
             for g, idx in enumerate(indices, start=first):
                 if g % d.world == d.rank:
                     params = dataclasses.replace(self.params, seed=request_seed(self.seed, g))
-                    rid = self.llm.add_request(self.tok.encode(self.task.train[idx].prompt), params)
+                    rid = self.llm.add_request(self.encode(self.task.train[idx].prompt), params)
                     self.in_flight[rid] = idx
                     self.request_index[rid] = g
-            local: dict[int, RolloutGroup] = {}
-            while self.in_flight:
+            pending: dict[int, _PendingGroup] = {}
+            while self.in_flight:  # each finished group's rewards are computed while the rest decode
                 for out in self.llm.step():
-                    g = self.request_index.pop(out.request_id)
-                    local[g] = self._scored_group(out, scorer)
+                    pending[self.request_index.pop(out.request_id)] = self._submit_scoring(out)
+            local = {g: self._finish(pending[g], scorer) for g in sorted(pending)}
             wave = [(g, grp.problem_index, grp.rewards, grp.reward_errors) for g, grp in local.items()]
             for g, idx, rewards, errors in sorted(w for part in d.all_gather_objects(wave) for w in part):
                 stats.groups_scored += 1
@@ -222,6 +252,7 @@ class RolloutCollector:
                     kept.append(local[g])
         self._check_rewards(scorer)
         self.filtering = True
+        stats.reward_components = scorer.component_means()
         return kept
 
     def _check_rewards(self, scorer: RewardScorer) -> None:
@@ -262,20 +293,25 @@ class RolloutCollector:
         stats.groups_stale += len(self.ready) - len(fresh)
         self.ready = fresh
 
-    def _scored_group(self, out, scorer: RewardScorer) -> RolloutGroup:
-        """A finished request -> its RolloutGroup with rewards (failures score 0 and are counted)."""
+    def _submit_scoring(self, out) -> "_PendingGroup":
+        """A finished request: hand its G reward calls to the runner; the group waits for them."""
         idx = self.in_flight.pop(out.request_id)
         problem: Problem = self.task.train[idx]
-        errors_before = scorer.errors
-        rewards = [scorer.score(self.tok.decode(c.token_ids), problem.answer) for c in out.outputs]
-        return RolloutGroup(idx, out.prompt_token_ids, [c.token_ids for c in out.outputs],
+        calls = [RewardCall(self.tok.decode(c.token_ids), problem.answer, problem.prompt, dict(problem.extra))
+                 for c in out.outputs]
+        return _PendingGroup(idx, out, self.runner.submit(calls))
+
+    def _finish(self, pending: "_PendingGroup", scorer: RewardScorer) -> RolloutGroup:
+        """A pending group with its rewards (failures score 0 and are counted by `scorer`)."""
+        out, errors_before = pending.out, scorer.errors
+        rewards = [scorer.record(o) for o in self.runner.gather(pending.ticket)]
+        return RolloutGroup(pending.problem_index, out.prompt_token_ids, [c.token_ids for c in out.outputs],
                             [c.logprobs for c in out.outputs], rewards, [c.policy_versions for c in out.outputs],
                             [c.finish_reason for c in out.outputs],
                             [c.routing_ids for c in out.outputs if c.routing_ids is not None],
                             scorer.errors - errors_before)
 
-    def _score(self, out, scorer: RewardScorer, stats: CollectStats) -> None:
-        group = self._scored_group(out, scorer)
+    def _score(self, group: RolloutGroup, stats: CollectStats) -> None:
         rewards = group.rewards
         stats.groups_scored += 1
         stats.reward_errors += group.reward_errors
@@ -294,3 +330,16 @@ class RolloutCollector:
             self.llm.abort_request(rid)
         self.in_flight.clear()
         self.request_index.clear()
+        for p in self.pending:  # finished but not applied: like unconsumed `ready` groups, not saved
+            self.runner.discard(p.ticket)
+        self.pending.clear()
+        self.applicable = 0
+
+
+@dataclass(slots=True)
+class _PendingGroup:
+    """A finished request whose reward calls are with the runner."""
+
+    problem_index: int                  # index in task.train
+    out: object                         # the engine's RequestOutput
+    ticket: int                         # runner ticket of its G calls

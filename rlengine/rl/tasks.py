@@ -6,7 +6,9 @@ and a reward function. Built-in tasks use the tiny built-in tokenizer's alphabet
   last-digit   "5830271694:" -> "4" with some digit of the prompt" (about 20% correct), RL
                                      has to find the right one
   addition     "12+34=" -> "46"  (multi-digit arithmetic; harder, for longer runs)
-User data: JSONL with one {"prompt": str, "answer": str} object per line; a malformed row
+User data: JSONL with one {"prompt": str, "answer": str} object per line (GSM8K rows,
+{"question", "answer": "...#### N"}, map to prompt = question, answer = N: gsm8k_row; a row's
+other fields travel as Problem.extra to plugin rewards); a malformed row
 (bad JSON, an empty prompt, a non-string answer) is an error naming the file and line number,
 and each Problem keeps that origin (`source`) so later checks (Task.check_prompts: prompts
 too long for the model) can name the line too. All of this runs before training starts.
@@ -16,12 +18,12 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
 
 from rlengine.config import ConfigError
-from rlengine.rl.rewards import RewardFn, get_reward
+from rlengine.rl.rewards import RewardFn, get_reward, resolve_reward
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,6 +31,8 @@ class Problem:
     prompt: str
     answer: str
     source: str = ""                    # where it came from, "path:line" for JSONL rows; "" for built-ins
+    # the row's other fields (JSONL columns; GSM8K's full solution), passed to plugin rewards as `extra`
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(slots=True)
@@ -61,7 +65,8 @@ class Task:
                                f"{where}: prompt is {n} tokens, more than the {max_prompt_tokens} allowed ({limit})")
         if bad:
             more = f"\n(and {len(bad) - 5} more)" if len(bad) > 5 else ""
-            raise DatasetError(f"{len(bad)} prompt(s) do not fit the model:\n" + "\n".join(bad[:5]) + more)
+            raise DatasetError(f"{len(bad)} prompt(s) do not fit the model, first {bad[0]}:\n" + "\n".join(bad[:5])
+                               + more)
 
 
 def _random_prompt_digit(problem: Problem, rng: random.Random) -> str:
@@ -78,8 +83,8 @@ def _split(problems: list[Problem], num_eval: int, seed: int) -> tuple[list[Prob
     problems = list(problems)
     rng.shuffle(problems)
     if len(problems) <= num_eval:
-        raise DatasetError(f"need more than num_eval={num_eval} problems to hold out an eval split, "
-                           f"got {len(problems)}")
+        raise DatasetError(f"task.num_eval = {num_eval} needs more than {num_eval} problems to hold out an eval "
+                           f"split, got {len(problems)}")
     return problems[num_eval:], problems[:num_eval]
 
 
@@ -100,6 +105,9 @@ def last_digit_task(num_train: int, num_eval: int, seed: int, digits: int = 10) 
 
 
 def addition_task(num_train: int, num_eval: int, seed: int, digits: int = 2) -> Task:
+    if num_train + num_eval > 100 ** digits:
+        raise DatasetError(f"task.num_train + task.num_eval = {num_train + num_eval} is more than the "
+                           f"{100 ** digits} distinct {digits}-digit additions")
     rng = random.Random(seed)
     seen, problems = set(), []
     while len(problems) < num_train + num_eval:
@@ -111,21 +119,57 @@ def addition_task(num_train: int, num_eval: int, seed: int, digits: int = 2) -> 
     return Task("addition", train, held, get_reward("exact"), answer_len=digits + 1)
 
 
+def gsm8k_row(row: dict) -> dict:
+    """GSM8K's shape -> ours: "question" stands in for a missing "prompt", and an answer string with a
+    "#### N" line (a GSM8K solution) becomes N (commas dropped: "1,200" -> "1200"), the full solution
+    kept as extra["solution"]. Other rows pass through unchanged."""
+    row = dict(row)
+    if "prompt" not in row and isinstance(row.get("question"), str):
+        row["prompt"] = row.pop("question")
+    answer = row.get("answer")
+    if isinstance(answer, str) and "####" in answer:
+        row["solution"] = answer
+        row["answer"] = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    return row
+
+
+def data_path(path: str) -> Path:
+    """A dataset path; "rlengine:REL" names a file shipped inside the package (rlengine/REL)."""
+    if path.startswith("rlengine:"):
+        from importlib import resources
+
+        return Path(str(resources.files("rlengine") / path.removeprefix("rlengine:")))
+    return Path(path)
+
+
 def read_jsonl(path: str | Path) -> list[Problem]:
     """Problems from JSONL; raises DatasetError naming the file and line of any malformed row."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); JSONL is UTF-8") from None
     problems = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+    # split on "\n" only: str.splitlines also splits at U+0085, U+2028, ... which JSON strings may hold raw
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or "answer" not in row:
-            raise DatasetError(f"{path}:{lineno}: each row must be an object with a string 'prompt' and an 'answer'")
+        except (json.JSONDecodeError, RecursionError) as exc:
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            raise DatasetError(f"{path}:{lineno}: not valid JSON ({reason})") from None
+        shape = 'each row must be an object {"prompt": "...", "answer": "..."}'
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}:{lineno}: {shape}, got a JSON {type(row).__name__}")
+        row = gsm8k_row(row)
+        missing = [k for k in ("prompt", "answer") if k not in row]
+        if missing:
+            raise DatasetError(f"{path}:{lineno}: no {' or '.join(repr(k) for k in missing)}; {shape}")
+        if not isinstance(row["prompt"], str):
+            raise DatasetError(f"{path}:{lineno}: 'prompt' must be a string, got {type(row['prompt']).__name__}")
         if not row["prompt"].strip():
             raise DatasetError(f"{path}:{lineno}: the prompt is empty")
         answer = row["answer"]
@@ -133,10 +177,14 @@ def read_jsonl(path: str | Path) -> list[Problem]:
             # No silent str(): 0.50 would become "0.5", 1e3 "1000.0", true "True".
             raise DatasetError(f"{path}:{lineno}: 'answer' must be a string, got {type(answer).__name__} "
                                f"{json.dumps(answer)} (write it quoted, as in the file's other rows)")
-        problems.append(Problem(row["prompt"], answer, f"{path}:{lineno}"))
+        extra = {k: v for k, v in row.items() if k not in ("prompt", "answer")}
+        problems.append(Problem(row["prompt"], answer, f"{path}:{lineno}", extra))
     if not problems:
         raise DatasetError(f"{path}: no rows")
     return problems
+
+
+TASK_NAMES = ("first-digit", "last-digit", "addition", "jsonl")  # what build_task accepts as task.name
 
 
 def build_task(name: str, *, path: str = "", eval_path: str = "", reward: str = "", num_train: int = 2000,
@@ -150,14 +198,14 @@ def build_task(name: str, *, path: str = "", eval_path: str = "", reward: str = 
     elif name == "jsonl":
         if not path:
             raise DatasetError("task.name = 'jsonl' needs task.path")
-        problems = read_jsonl(path)
+        problems = read_jsonl(data_path(path))
         if eval_path:
-            train, held = problems, read_jsonl(eval_path)
+            train, held = problems, read_jsonl(data_path(eval_path))
         else:
             train, held = _split(problems, min(num_eval, max(1, len(problems) // 5)), seed)
         task = Task("jsonl", train, held, get_reward(reward or "math"))
     else:
-        raise KeyError(f"unknown task {name!r}; built-in: first-digit, last-digit, addition, or jsonl")
+        raise ConfigError(f"task.name: unknown task {name!r}; known: {', '.join(TASK_NAMES)}")
     if reward:
-        task.reward_fn = get_reward(reward)
+        task.reward_fn = resolve_reward(reward)
     return task

@@ -5,9 +5,12 @@ optimizer step is visible at the next decode step with no copy. Each update boun
 appends one line to RUN_DIR/metrics.jsonl: N (retained training responses, excluding
 critic warm-up), J (held-out mean@k when evaluated), rewards, retained fraction, t_gen,
 t_train, q_gen, q, grad norms, clip fraction, entropy, KL, the generator-vs-learner
-log-prob difference, policy lag and the B_act distribution of the boundary's decode steps.
-Evaluation uses a second LLM over the SAME module (its own small KV cache), so in-flight
-partial rollouts of the training engine are never disturbed.
+log-prob difference, policy lag, lr, the over-long fraction and the B_act distribution of the
+boundary's decode steps (run_outputs.py also writes samples.jsonl and TensorBoard files).
+Evaluation (evaluation.py: named eval sets, mean@k and pass@k) uses a second LLM over the SAME
+module (its own small KV cache), so in-flight partial rollouts of the training engine are never
+disturbed. Rewards run through one reward runner per job (reward_pool.py: in this process or a
+spawned pool), closed when run() returns or raises.
 """
 
 from __future__ import annotations
@@ -30,9 +33,14 @@ from rlengine.rl.checkpoint import latest_checkpoint, load_checkpoint, save_chec
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.learner import Learner
 from rlengine.rl.distributed import Dist, init_from_env
-from rlengine.rl.rewards import score_outputs
-from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector, request_seed
-from rlengine.rl.tasks import build_task
+from rlengine.rl.evaluation import Evaluator, build_eval_sets
+from rlengine.rl.overlong import shape_overlong
+from rlengine.rl.prompts import PromptEncoder
+from rlengine.rl.reward_pool import make_runner
+from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector
+from rlengine.rl.run_outputs import RunOutputs, samples_rows
+from rlengine.rl.schedule import lr_factor
+from rlengine.rl.tasks import Task, build_task
 from rlengine.rl.warmstart import format_warmstart
 from rlengine.telemetry.nvml import NvmlSampler
 from rlengine.telemetry.profiler import ProfileWindow, step_profiler
@@ -50,7 +58,12 @@ def _build_model(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCausalLM, Tokeni
     tok = tokenizer_for(cfg.model.name)
     if tok.eos_token_id is None:
         raise ValueError("the tokenizer has no EOS token; set one so responses can end")
-    model.config.eos_token_id = tok.eos_token_id
+    if Path(str(cfg.model.name)).is_dir():  # a checkpoint: stop at its own EOS ids and the tokenizer's
+        eos = list(dict.fromkeys(model.config.eos_token_ids + list(getattr(tok, "eos_token_ids", None) or [])
+                                 + [tok.eos_token_id]))
+        model.config.eos_token_id = eos[0] if len(eos) == 1 else eos
+    else:  # a preset: the built-in tokenizer's <eos> is the only end
+        model.config.eos_token_id = tok.eos_token_id
     return model, tok
 
 
@@ -75,14 +88,21 @@ class Trainer:
                                reward=cfg.task.reward, num_train=cfg.task.num_train, num_eval=cfg.task.num_eval,
                                seed=cfg.task.seed)
         g, t = cfg.gen, cfg.train
+        self.encode = PromptEncoder(self.tok, chat_template=cfg.task.chat_template,
+                                    system_prompt=cfg.task.system_prompt)
+        self.eval_sets = build_eval_sets(self.task, cfg.eval)
         mpe = self.model.config.max_position_embeddings
-        self.task.check_prompts(self.tok.encode, mpe - g.max_tokens,
-                                limit=f"max_position_embeddings {mpe} - gen.max_tokens {g.max_tokens}")
-        max_len = max(len(self.tok.encode(p.prompt)) for p in self.task.train + self.task.eval) + g.max_tokens + 1
+        limit = f"max_position_embeddings {mpe} - gen.max_tokens {g.max_tokens}"
+        self.task.check_prompts(self.encode, mpe - g.max_tokens, limit=limit)
+        for es in self.eval_sets if cfg.eval.sets else []:
+            Task(f"eval set {es.name}", [], es.problems, self.task.reward_fn).check_prompts(
+                self.encode, mpe - g.max_tokens, limit=limit)
+        eval_problems = [p for es in self.eval_sets for p in es.problems]
+        max_len = max(len(self.encode(p.prompt)) for p in self.task.train + eval_problems) + g.max_tokens + 1
         backend = "torch" if g.backend == "auto" and cfg.model.dtype == "float64" else g.backend  # fp64: the oracle
         common = dict(block_size=g.block_size, max_model_len=min(max_len, self.model.config.max_position_embeddings),
                       attention_backend=backend, enforce_eager=g.enforce_eager)
-        eval_seqs = min(256, cfg.task.num_eval * cfg.eval.k)
+        eval_seqs = min(256, (len(eval_problems) if cfg.eval.sets else cfg.task.num_eval) * cfg.eval.k)
         num_kv_blocks, self.memory_plan = g.num_kv_blocks or None, None
         if num_kv_blocks is None and self.model.device.type == "cuda":
             # one plan per device: training state + the learner's activations + a reserve; KV from the rest
@@ -104,11 +124,19 @@ class Trainer:
                           stacklevel=2)
         params = SamplingParams(n=t.group_size, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                 max_tokens=g.max_tokens, logprobs_mode=g.logprobs_mode)
+        # where rewards run; a pool spawns its workers now, so they import while the rest is built
+        self.rewards = make_runner(self.task.reward_fn, cfg.task.reward, workers=cfg.task.reward_workers,
+                                   timeout=cfg.task.reward_timeout)
         self.collector = RolloutCollector(self.llm, self.tok, self.task, group_size=t.group_size, b_train=t.b_train,
                                           b_gen=g.b_gen, params=params, sampler=self.sampler,
                                           dynamic_sampling=t.dynamic_sampling and t.algo == "grpo",
                                           max_lag=g.max_lag, max_reward_error_frac=cfg.task.max_reward_error_frac,
-                                          dist=self.dist, seed=cfg.run.seed)
+                                          dist=self.dist, seed=cfg.run.seed, runner=self.rewards,
+                                          encode_prompt=self.encode)
+        self.evaluator = Evaluator(self.eval_llm, self.encode, self.rewards, self.tok, self.eval_sets, cfg.eval,
+                                   max_tokens=g.max_tokens, seed=cfg.run.seed,
+                                   max_error_frac=cfg.task.max_reward_error_frac, dist=self.dist)
+        self.outputs = RunOutputs(self.run_dir, tensorboard=cfg.run.tensorboard, write=self.dist.is_main)
         self.update, self.N = 0, 0
         self.history: list[dict] = []
         # the GPU this rank uses (NVML numbers every GPU on the node): mapped by UUID / PCI bus id
@@ -120,10 +148,10 @@ class Trainer:
         if self.resume_dir is None:
             if self.dist.is_main:
                 (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-                (self.run_dir / "metrics.jsonl").write_text("")
+                self.outputs.reset()
             w = cfg.warmstart
             self.warmstart_losses = format_warmstart(self.model, self.tok, self.task, steps=w.steps, lr=w.lr,
-                                                     batch=w.batch, seed=cfg.run.seed)
+                                                     batch=w.batch, seed=cfg.run.seed, encode_prompt=self.encode)
         # Built after the warm start: the KL reference and the PPO critic start from the policy at
         # update 0, not from the random initialisation (on resume, the checkpoint restores both).
         self.learner = Learner(self.model, t, temperature=g.temperature, replay_routing=g.record_routing,
@@ -153,18 +181,13 @@ class Trainer:
 
     # ---- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> float:
-        """J: mean reward over the held-out split, k samples per prompt (mean@k)."""
-        """Eval prompt i runs on rank i mod K with seed request_seed(run seed + 1, i): J is global."""
-        e, d = self.cfg.eval, self.dist
-        mine = [(i, p) for i, p in enumerate(self.task.eval) if i % d.world == d.rank]
-        params = [SamplingParams(n=e.k, temperature=e.temperature, seed=request_seed(self.cfg.run.seed + 1, i),
-                                 max_tokens=self.cfg.gen.max_tokens) for i, _ in mine]
-        with d.unsharded(self.model):
+        """J: the primary eval set's mean@k (evaluation.py); every set's mean@k and pass@k go to
+        self.eval_metrics. Eval prompt i runs on rank i mod K with seed request_seed(run seed + 1, i)."""
+        with self.dist.unsharded(self.model):
             self.refresh_decode_graphs()
-            outs = self.eval_llm.generate([self.tok.encode(p.prompt) for _, p in mine], params) if mine else []
-        j, self.eval_reward_errors = score_outputs(self.task.reward_fn, self.tok, [p for _, p in mine], outs,
-                                                   self.cfg.task.max_reward_error_frac, dist=d)
-        return j
+            self.eval_metrics = self.evaluator.run()
+        self.eval_reward_errors = self.eval_metrics["eval_reward_errors"]
+        return self.eval_metrics["J"]
 
     # ---- one update --------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -176,6 +199,10 @@ class Trainer:
         with self.timer.phase("gen"), self.dist.unsharded(self.model):  # FSDP: decode from full weights
             self.refresh_decode_graphs()
             groups = self.collector.collect(stats)
+        overlong, penalty = shape_overlong(groups, t.overlong, max_tokens=self.cfg.gen.max_tokens,
+                                           buffer=t.overlong_buffer)
+        self.learner.set_lr_factor(lr_factor(self.update, schedule=t.lr_schedule, warmup=t.warmup_updates,
+                                             total=t.updates, min_ratio=t.min_lr_ratio))
         if t.algo == "grpo":
             batch = grpo_batch(groups, normalize_std=t.normalize_std)
         else:  # PPO: every response of every group enters the update; the critic scores each
@@ -199,7 +226,11 @@ class Trainer:
         rewards = torch.tensor(stats.rewards, dtype=torch.float64)  # every rank's, in global order
         consumed = self.llm.weight_version - (0 if m["skipped"] or critic_only else 1)
         lags = [lag for part in self.dist.all_gather_objects([g.lag(consumed) for g in groups]) for lag in part]
-        tokens, seqs = self.dist.all_sum([float(batch.loss_mask.sum()), float(batch.num_seqs)])
+        tokens, seqs, overlong, penalty = self.dist.all_sum(
+            [float(sum(len(c) for g in groups for c in g.completions)), float(batch.num_seqs), float(overlong),
+             penalty])
+        if self.cfg.run.samples_every and self.update % self.cfg.run.samples_every == 0:
+            self._write_samples(groups, batch)
         record = {
             "update": self.update, "N": self.N, "critic_only": critic_only, "skipped": m["skipped"],
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
@@ -217,7 +248,10 @@ class Trainer:
             "b_act_mean": boundary.b_act.mean, "b_act_p50": boundary.b_act.p50, "b_act_p90": boundary.b_act.p90,
             "b_act_frac_time_below": boundary.b_act.frac_time_below, "gen_tokens": boundary.generated_tokens,
             "preemptions": boundary.preemptions,
+            "overlong_frac": overlong / max(seqs, 1.0), **stats.reward_components,
         }
+        if t.overlong == "soft":
+            record["overlong_penalty_mean"] = penalty / max(seqs, 1.0)
         if self.dist.enabled:  # per-rank views: wall-clock of each rank's phases and its decode batches
             record.update(zip(("t_gen_ranks", "t_train_ranks", "b_act_mean_ranks"), zip(*self.dist.all_gather_objects(
                 (t_gen_rank, t_train_rank, boundary.b_act.mean)))))
@@ -236,10 +270,21 @@ class Trainer:
         self.stopped_early = False
         cfg = self.cfg
         last = min(cfg.train.updates, stop_after) if stop_after else cfg.train.updates
-        if self.update == 0:
-            self._log({"update": 0, "N": 0, "J": self.evaluate()})
+        try:
+            if self.update == 0:
+                j = self.evaluate()
+                self._log({"update": 0, "N": 0, "J": j, **self._eval_record()})
+            self._loop(last, stop_when)
+            self.checkpoint()
+        finally:  # a reward pool's workers never outlive the run, whatever ended it
+            self.rewards.close()
+            self.outputs.close()
+        return self.history
+
+    def _loop(self, last: int, stop_when) -> None:
         from rlengine.rl.progress import Progress
 
+        cfg = self.cfg
         out, window = self.profile
         profiler = step_profiler(out if self.dist.is_main else None, name="train", window=window,
                                  device=self.model.device, ranges=[self.llm.ranges, self.learner.ranges])
@@ -251,7 +296,7 @@ class Trainer:
                 record = self.train_step()
                 if self._eval_due(n_before):
                     record["J"] = self.evaluate()
-                    record["eval_reward_errors"] = self.eval_reward_errors
+                    record.update(self._eval_record())
                 self._log(record)
                 bar.advance(record)
                 if stop_when is not None and stop_when(record):
@@ -264,8 +309,17 @@ class Trainer:
             print(f"profile of updates {window.start}..{window.stop - 1}: {profiler.trace_path} {profiler.note}")
         self.telemetry.stop()
         self._write_telemetry()
-        self.checkpoint()
-        return self.history
+
+    def _eval_record(self) -> dict:
+        """The last evaluation's fields of a metrics record (J itself is set by the caller)."""
+        return {k: v for k, v in self.eval_metrics.items() if k != "J"}
+
+    def _write_samples(self, groups, batch) -> None:
+        """samples.jsonl rows of this update's responses (every rank's, gathered on rank 0)."""
+        advantages = [float(batch.advantages[e - 1]) for e in batch.cu_seqlens[1:]]  # a response's last token
+        rows = samples_rows(groups, advantages, self.tok, update=self.update, n=self.N)
+        rows = [r for part in self.dist.all_gather_objects(rows) for r in part] if self.dist.enabled else rows
+        self.outputs.samples(rows)
 
     def _eval_due(self, n_before: int) -> bool:
         """After an update: every eval.every updates, or each time N crosses a multiple of
@@ -296,10 +350,7 @@ class Trainer:
 
     def _log(self, record: dict) -> None:
         self.history.append(record)
-        if not self.dist.is_main:
-            return
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.outputs.log(record)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def checkpoint(self) -> Path:
@@ -334,4 +385,5 @@ class Trainer:
         if self.dist.is_main:
             (self.run_dir / "metrics.jsonl").write_text("".join(ln + "\n" for ln in kept))
             (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+            self.outputs.reset(keep_through=self.update)
         self.history = [json.loads(ln) for ln in kept]

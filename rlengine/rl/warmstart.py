@@ -21,8 +21,10 @@ from rlengine.rl.tasks import Task
 
 
 def format_warmstart(model: Qwen3ForCausalLM, tok: Tokenizer, task: Task, *, steps: int, lr: float, batch: int,
-                     seed: int) -> list[float]:
-    """Run `steps` AdamW steps of next-token loss on answer tokens; returns the loss curve."""
+                     seed: int, encode_prompt=None) -> list[float]:
+    """Run `steps` AdamW steps of next-token loss on answer tokens; returns the loss curve.
+    encode_prompt: prompt text -> ids as the rollout encodes it (default tok.encode)."""
+    encode_prompt = encode_prompt or tok.encode
     if steps <= 0:
         return []
     rng = random.Random(seed)
@@ -32,7 +34,7 @@ def format_warmstart(model: Qwen3ForCausalLM, tok: Tokenizer, task: Task, *, ste
         ids, targets, cu = [], [], [0]
         for _ in range(batch):
             problem = rng.choice(task.train)
-            prompt = tok.encode(problem.prompt)
+            prompt = encode_prompt(problem.prompt)
             answer = tok.encode(task.warmstart_answer(problem, rng))
             seq = prompt + answer + [tok.eos_token_id]
             ids.extend(seq[:-1])

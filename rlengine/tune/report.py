@@ -46,6 +46,8 @@ def to_toml(d: dict) -> str:
             return json.dumps(v)
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):  # e.g. eval.sets: an inline table
+            return "{" + ", ".join(f"{json.dumps(str(k))} = {value(x)}" for k, x in v.items()) + "}"
         raise ValueError(f"to_toml: cannot write {type(v).__name__}")
 
     out = []

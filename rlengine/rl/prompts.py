@@ -1,0 +1,41 @@
+"""Prompt text -> the token ids the model sees: plain encoding, or the tokenizer's chat template.
+
+With task.chat_template = true each problem's prompt becomes the messages
+[{"role": "system", "content": task.system_prompt} (only when set), {"role": "user", "content": prompt}]
+rendered by the tokenizer's own chat template with the generation prompt appended (the
+assistant turn the model completes), exactly as transformers' apply_chat_template(...,
+add_generation_prompt=True, tokenize=True) renders it. Rewards still see the raw prompt text.
+Encodings are cached per prompt text (a GRPO job encodes the same prompts again and again).
+"""
+
+from __future__ import annotations
+
+from rlengine.config import ConfigError
+from rlengine.model.tokenizer import Tokenizer
+
+
+class PromptEncoder:
+    """Callable prompt text -> token ids (list[int]) for one job."""
+
+    def __init__(self, tok: Tokenizer, *, chat_template: bool = False, system_prompt: str = ""):
+        if chat_template and getattr(tok, "chat_template", None) is None:
+            raise ConfigError("task.chat_template = true, but the model's tokenizer has no chat template "
+                              "(tokenizer_config.json 'chat_template' or chat_template.jinja); "
+                              "set task.chat_template = false or use a chat model's checkpoint")
+        self.tok, self.chat, self.system_prompt = tok, chat_template, system_prompt
+        self._cache: dict[str, list[int]] = {}
+
+    def messages(self, prompt: str) -> list[dict]:
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + [{"role": "user", "content": prompt}]
+
+    def __call__(self, prompt: str) -> list[int]:
+        ids = self._cache.get(prompt)
+        if ids is None:
+            if self.chat:
+                ids = list(self.tok.apply_chat_template(self.messages(prompt), add_generation_prompt=True,
+                                                        tokenize=True))
+            else:
+                ids = self.tok.encode(prompt)
+            self._cache[prompt] = ids
+        return ids

@@ -1,0 +1,78 @@
+"""What a run writes besides checkpoints: metrics.jsonl, samples.jsonl and TensorBoard event files.
+
+The trainer hands every update-boundary record to RunOutputs.log() (one JSON line in
+RUN_DIR/metrics.jsonl; with run.tensorboard = true also one scalar per numeric field, at
+step = update, in TensorBoard event files in RUN_DIR itself, next to metrics.jsonl) and, every
+run.samples_every updates, the update's responses to samples() (one JSON line per response in
+RUN_DIR/samples.jsonl: update, N, prompt and completion text, reward, advantage, token count,
+mean and min token log-prob, finish reason). Only rank 0 writes. torch.utils.tensorboard is
+imported only when asked for (the tensorboard package is optional; the config checks it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class RunOutputs:
+    def __init__(self, run_dir: Path, *, tensorboard: bool, write: bool):
+        self.run_dir, self.write = run_dir, write
+        self.tb = None
+        if tensorboard and write:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir))
+
+    def reset(self, keep_through: int | None = None) -> None:
+        """A new run (keep_through None): empty metrics.jsonl, no samples.jsonl. A resumed one: keep
+        the samples.jsonl lines of updates <= keep_through (the trainer rewrites metrics.jsonl itself)."""
+        samples = self.run_dir / "samples.jsonl"
+        if keep_through is None:
+            (self.run_dir / "metrics.jsonl").write_text("")
+            samples.unlink(missing_ok=True)
+        elif samples.is_file():
+            kept = [ln for ln in samples.read_text().splitlines() if ln and json.loads(ln)["update"] <= keep_through]
+            samples.write_text("".join(ln + "\n" for ln in kept))
+
+    def log(self, record: dict) -> None:
+        if not self.write:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "update" \
+                        and math.isfinite(value):
+                    self.tb.add_scalar(key, value, global_step=record["update"])
+            self.tb.flush()
+
+    def samples(self, rows: list[dict]) -> None:
+        """Append rows (see samples_rows) to samples.jsonl."""
+        if not self.write or not rows:
+            return
+        with open(self.run_dir / "samples.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def samples_rows(groups, advantages: list[float], tok, *, update: int, n: int) -> list[dict]:
+    """One row per response of `groups` (RolloutGroups, in batch order) with its advantage."""
+    rows, b = [], 0
+    for g in groups:
+        prompt = tok.decode(g.prompt_ids, skip_special_tokens=False)
+        for i, ids in enumerate(g.completions):
+            lp = g.logprobs[i]
+            rows.append({"update": update, "N": n, "prompt": prompt,
+                         "completion": tok.decode(ids, skip_special_tokens=False),
+                         "reward": g.rewards[i], "score": (g.scores or g.rewards)[i], "advantage": advantages[b],
+                         "length": len(ids), "logprob_mean": sum(lp) / max(1, len(lp)),
+                         "logprob_min": min(lp, default=0.0), "finish_reason": g.finish_reasons[i],
+                         "loss_weight": g.loss_weights[i] if g.loss_weights else 1.0})
+            b += 1
+    return rows

@@ -1,0 +1,28 @@
+"""The learning-rate schedule: a factor on train.lr_effective for each update.
+
+factor(u) for the update with 0-based index u of U = train.updates, W = train.warmup_updates,
+m = train.min_lr_ratio:
+    warm-up   u < W:   (u + 1) / W                     (the first update already moves; reaches 1 at W-1)
+    after     p = (u - W) / max(1, U - 1 - W)          (0 at the first update after warm-up, 1 at the last)
+              constant: 1;  linear: 1 - (1 - m) p;  cosine: m + (1 - m) (1 + cos(pi p)) / 2
+The factor is a pure function of the update index, so a resumed run (which restores the update
+counter from its checkpoint) continues the schedule exactly where it stopped; nothing else is saved.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def lr_factor(update: int, *, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
+    """The multiplier of the base LR for 0-based update `update` of `total` (see the module docstring)."""
+    if warmup > 0 and update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    p = min(1.0, (update - warmup) / max(1, total - 1 - warmup))
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * p
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+    raise ValueError(f"unknown lr schedule {schedule!r}; constant | linear | cosine")
