@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+import transformers  # the reference implementation (test extra)
 
 from rlengine.config import ConfigError
 from rlengine.model.chat_template import ChatTemplateError
@@ -16,7 +17,6 @@ from rlengine.model.loader import CheckpointError
 from rlengine.model.tokenizer import Tokenizer
 from text_ckpt import CHAT_TEMPLATE, text_checkpoint  # noqa: F401 - the session fixture
 
-transformers = pytest.importorskip("transformers")
 
 CONVERSATIONS = {
     "user-only": [{"role": "user", "content": "Hello, my name is"}],

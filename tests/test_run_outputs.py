@@ -17,13 +17,7 @@ from rlengine.rl.rollout import RolloutGroup
 from rlengine.rl.schedule import lr_factor
 from rlengine.rl.trainer import Trainer
 
-SMALL = ["--warmstart.steps", "5", "--train.updates", "4", "--train.prompts_per_step", "4", "--train.group_size",
-         "4", "--eval.every", "2", "--task.num_eval", "8", "--task.num_train", "50", "--run.progress", "false"]
-TIMING = {"t_gen", "t_train", "q_gen", "q", "b_act_mean", "b_act_p50", "b_act_p90", "b_act_frac_time_below"}
-
-
-def _cfg(tmp_path, name, extra=()):
-    return load_config("grpo", SMALL + ["--run.out_dir", str(tmp_path / name), *extra])
+from test_trainer import _cfg  # the trainer tests' short GRPO run
 
 
 def _records(run_dir):
@@ -31,7 +25,6 @@ def _records(run_dir):
 
 
 def test_samples_jsonl_and_tensorboard_scalars(tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tr = Trainer(_cfg(tmp_path, "out", ["--run.samples_every", "2", "--run.tensorboard", "true"]))
