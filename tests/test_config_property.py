@@ -49,7 +49,7 @@ def has_type(value, tp) -> bool:
         return isinstance(value, float) and math.isfinite(value)
     if tp in (bool, str, dict, list, tuple, type(None)):
         return isinstance(value, tp)
-    raise AssertionError(f"no rule for the annotation {tp!r}: add one here and in rl/config.py _typed")
+    raise AssertionError(f"no rule for the annotation {tp!r}: add one here and in rl/config_values.py typed")
 
 
 def assert_typed(cfg: TrainConfig) -> None:

@@ -2,7 +2,7 @@
 
     rlengine train --config grpo.toml --train.b_train 256 --gen.b_gen 512
 
-Every value is first checked against its field's declared type (_typed: a bool is not an int,
+Every value is first checked against its field's declared type (config_values.typed: a bool is not an int,
 an int is accepted for a float, a list becomes a tuple), then validated in __post_init__ with a
 message naming `section.field` and the allowed range; both raise ConfigError. Unknown keys (in a
 file or an override) are errors, never silently ignored.
@@ -13,14 +13,13 @@ B_train = P * G retained responses per optimizer update: set either train.prompt
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlengine.config import ConfigError
+from rlengine.rl.config_values import parse_value, typed
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -295,85 +294,13 @@ class TrainConfig:
             _check(not bad, f"unknown config key(s) {', '.join(f'{name}.{k}' for k in bad)}; "
                             f"known in [{name}]: {', '.join(sorted(known))}")
             hints = typing.get_type_hints(section_cls)
-            values = {k: _typed(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
+            values = {k: typed(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
             built[name] = section_cls(**values)
         return cls(**built)
 
 
 _SECTION_TYPES = {"model": ModelSection, "task": TaskSection, "gen": GenSection, "train": TrainSection,
                   "warmstart": WarmStartSection, "eval": EvalSection, "run": RunSection}
-
-
-def _parse_value(text: str, declared=None):
-    """A command-line override value: TOML scalar syntax, bare words as strings. For a field
-    declared `str` the text itself, unless it is a quoted TOML string (so --run.out_dir 2024 is "2024")."""
-    try:
-        parsed = tomllib.loads(f"v = {text}")
-    except tomllib.TOMLDecodeError:
-        return text
-    if list(parsed) != ["v"]:  # "1\nw = 2": more than one value, so not a TOML scalar
-        return text
-    value = parsed["v"]
-    return text if declared is str and not isinstance(value, str) else value
-
-
-def _describe(tp) -> str:
-    """How an error message names the declared type `tp`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return f"a list (each {_describe(args[0])})"
-        return f"a list of {len(args)} values ({', '.join(_describe(a) for a in args)})"
-    if origin is list:
-        return f"a list (each {_describe(args[0])})" if args else "a list"
-    if origin is dict:
-        return f"a table (each value {_describe(args[1])})" if args else "a table"
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a table",
-            type(None): "absent"}.get(tp, getattr(tp, "__name__", str(tp)))
-
-
-def _typed(where: str, value, tp):
-    """`value` (from TOML, JSON or an override) as the declared type `tp` of field `where`: an int is
-    accepted for a float; bools are not ints; lists become tuples. ConfigError naming the field otherwise."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    bad = ConfigError(f"{where} must be {_describe(tp)}, got {value!r}")
-    if origin in (typing.Union, types.UnionType):
-        for member in args:
-            try:
-                return _typed(where, value, member)
-            except ConfigError:
-                pass
-        raise bad
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise bad
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(value) != len(args):
-                raise bad
-            return tuple(_typed(f"{where}[{i}]", v, t) for i, (v, t) in enumerate(zip(value, args)))
-        items = [_typed(f"{where}[{i}]", v, args[0]) if args else v for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise bad
-        kt, vt = args or (typing.Any, typing.Any)
-        return {_typed(f"{where} key", k, kt): _typed(f"{where}.{k}", v, vt) for k, v in value.items()}
-    if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= 1e308
-        if not ok or not math.isfinite(value):  # the bound: float(10**400) would overflow
-            raise ConfigError(f"{where} must be a finite number, got {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
-        return value
-    if tp in (bool, str, dict, type(None)):
-        if not isinstance(value, tp):
-            raise bad
-        return value
-    return value  # a type this parser has no rule for: the section's __post_init__ checks it
 
 
 def packaged_config(path: str | Path) -> Path:
@@ -410,7 +337,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _check(isinstance(data.setdefault(section, {}), dict),
                f"--{key}: config section [{section}] is not a table ({data[section]!r})")
         declared = typing.get_type_hints(_SECTION_TYPES[section]) if section in _SECTION_TYPES else {}
-        data[section][name] = _parse_value(value, declared.get(name))
+        data[section][name] = parse_value(value, declared.get(name))
     return TrainConfig.from_dict(data)
 
 
