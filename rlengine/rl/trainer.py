@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from rlengine.analysis.memory_plan import plan_for_config
+from rlengine.config import ConfigError
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.factory import build_model, default_device, tokenizer_for
 from rlengine.model.qwen3 import Qwen3ForCausalLM
@@ -48,7 +49,6 @@ from rlengine.telemetry.records import build_boundary_record
 from rlengine.telemetry.timers import PhaseTimer
 
 
-
 def _build_model(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCausalLM, Tokenizer]:
     device = cfg.model.device if cfg.model.device != "auto" else str(default_device())
     if device == "cuda" and dist.enabled:
@@ -57,7 +57,8 @@ def _build_model(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCausalLM, Tokeni
     model = build_model(cfg.model.name, dtype=cfg.model.dtype, device=device, moe_impl=moe_impl, seed=cfg.run.seed)
     tok = tokenizer_for(cfg.model.name)
     if tok.eos_token_id is None:
-        raise ValueError("the tokenizer has no EOS token; set one so responses can end")
+        raise ConfigError(f"model.name {cfg.model.name!r}: the tokenizer has no EOS token (tokenizer_config.json "
+                          "eos_token or generation_config.json eos_token_id), so responses could never end")
     if Path(str(cfg.model.name)).is_dir():  # a checkpoint: stop at its own EOS ids and the tokenizer's
         eos = list(dict.fromkeys(model.config.eos_token_ids + list(getattr(tok, "eos_token_ids", None) or [])
                                  + [tok.eos_token_id]))
@@ -65,6 +66,38 @@ def _build_model(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCausalLM, Tokeni
     else:  # a preset: the built-in tokenizer's <eos> is the only end
         model.config.eos_token_id = tok.eos_token_id
     return model, tok
+
+
+def _build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode, eval_sets, dist: Dist):
+    """The rollout engine and the eval engine (sharing one KV pool) sized for the job's longest prompt,
+    after checking every train and eval prompt fits; returns (llm, eval_llm, memory_plan or None)."""
+    g = cfg.gen
+    mpe = model.config.max_position_embeddings
+    limit = f"max_position_embeddings {mpe} - gen.max_tokens {g.max_tokens}"
+    task.check_prompts(encode, mpe - g.max_tokens, limit=limit)
+    for es in eval_sets if cfg.eval.sets else []:
+        Task(f"eval set {es.name}", [], es.problems, task.reward_fn).check_prompts(
+            encode, mpe - g.max_tokens, limit=limit)
+    eval_problems = [p for es in eval_sets for p in es.problems]
+    max_len = max(len(encode(p.prompt)) for p in task.train + eval_problems) + g.max_tokens + 1
+    backend = "torch" if g.backend == "auto" and cfg.model.dtype == "float64" else g.backend  # fp64: the oracle
+    common = dict(block_size=g.block_size, max_model_len=min(max_len, model.config.max_position_embeddings),
+                  attention_backend=backend, enforce_eager=g.enforce_eager)
+    eval_seqs = min(256, (len(eval_problems) if cfg.eval.sets else cfg.task.num_eval) * cfg.eval.k)
+    num_kv_blocks, memory_plan = g.num_kv_blocks or None, None
+    if num_kv_blocks is None and model.device.type == "cuda":
+        # one plan per device: training state + the learner's activations + a reserve; KV from the rest
+        total = torch.cuda.get_device_properties(model.device).total_memory
+        memory_plan = plan_for_config(cfg, device_bytes=total, max_model_len=common["max_model_len"],
+                                      world_size=dist.world)
+        num_kv_blocks = memory_plan.num_kv_blocks
+    elif num_kv_blocks is None:  # CPU: room for either engine at full length
+        num_kv_blocks = max(g.b_gen, eval_seqs) * -(-common["max_model_len"] // g.block_size)
+    llm = LLM(model, max_num_seqs=g.b_gen, num_kv_blocks=num_kv_blocks, seed=cfg.run.seed,
+              record_routing=g.record_routing, **common)
+    # the eval engine shares the rollout engine's KV pool: one cache per device, never a second one
+    eval_llm = LLM(model, max_num_seqs=eval_seqs, seed=cfg.run.seed + 1, kv_pool=llm.kv_pool, **common)
+    return llm, eval_llm, memory_plan
 
 
 class Trainer:
@@ -91,32 +124,8 @@ class Trainer:
         self.encode = PromptEncoder(self.tok, chat_template=cfg.task.chat_template,
                                     system_prompt=cfg.task.system_prompt)
         self.eval_sets = build_eval_sets(self.task, cfg.eval)
-        mpe = self.model.config.max_position_embeddings
-        limit = f"max_position_embeddings {mpe} - gen.max_tokens {g.max_tokens}"
-        self.task.check_prompts(self.encode, mpe - g.max_tokens, limit=limit)
-        for es in self.eval_sets if cfg.eval.sets else []:
-            Task(f"eval set {es.name}", [], es.problems, self.task.reward_fn).check_prompts(
-                self.encode, mpe - g.max_tokens, limit=limit)
-        eval_problems = [p for es in self.eval_sets for p in es.problems]
-        max_len = max(len(self.encode(p.prompt)) for p in self.task.train + eval_problems) + g.max_tokens + 1
-        backend = "torch" if g.backend == "auto" and cfg.model.dtype == "float64" else g.backend  # fp64: the oracle
-        common = dict(block_size=g.block_size, max_model_len=min(max_len, self.model.config.max_position_embeddings),
-                      attention_backend=backend, enforce_eager=g.enforce_eager)
-        eval_seqs = min(256, (len(eval_problems) if cfg.eval.sets else cfg.task.num_eval) * cfg.eval.k)
-        num_kv_blocks, self.memory_plan = g.num_kv_blocks or None, None
-        if num_kv_blocks is None and self.model.device.type == "cuda":
-            # one plan per device: training state + the learner's activations + a reserve; KV from the rest
-            total = torch.cuda.get_device_properties(self.model.device).total_memory
-            self.memory_plan = plan_for_config(cfg, device_bytes=total, max_model_len=common["max_model_len"],
-                                               world_size=self.dist.world)
-            num_kv_blocks = self.memory_plan.num_kv_blocks
-        elif num_kv_blocks is None:  # CPU: room for either engine at full length
-            num_kv_blocks = max(g.b_gen, eval_seqs) * -(-common["max_model_len"] // g.block_size)
-        self.llm = LLM(self.model, max_num_seqs=g.b_gen, num_kv_blocks=num_kv_blocks, seed=cfg.run.seed,
-                       record_routing=g.record_routing, **common)
-        # the eval engine shares the rollout engine's KV pool: one cache per device, never a second one
-        self.eval_llm = LLM(self.model, max_num_seqs=eval_seqs, seed=cfg.run.seed + 1, kv_pool=self.llm.kv_pool,
-                            **common)
+        self.llm, self.eval_llm, self.memory_plan = _build_engines(cfg, self.model, self.task, self.encode,
+                                                                   self.eval_sets, self.dist)
         self.sampler = PrioritySampler(len(self.task.train), cfg.run.seed, enabled=t.priority_sampling)
         if g.filtered and g.logprobs_mode == "raw":
             warnings.warn("gen.top_k / gen.top_p filter the sampled distribution but gen.logprobs_mode = 'raw' "
