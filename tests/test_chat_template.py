@@ -26,6 +26,10 @@ CONVERSATIONS = {
                    {"role": "assistant", "content": "  Five.  "},
                    {"role": "user", "content": "And 日本 café?"}],
     "none-content-dropped": [{"role": "user", "content": "hi", "name": None}],
+    # only a message's own None keys go; a null nested inside (a tool call's argument) is data and stays
+    "nested-none-kept": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "ok", "tool_calls": [
+                             {"type": "function", "function": {"name": "f", "arguments": {"unit": None}}}]}],
 }
 # Templates that lean on what the environment provides: trim_blocks / lstrip_blocks (no whitespace control),
 # loopcontrols, tojson keeping non-ASCII, special-token variables, a kwarg, namespace().
@@ -81,6 +85,18 @@ def test_rendering_and_ids_match_transformers(text_checkpoint, tmp_path, templat
     want_ids = ref.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True,
                                        return_dict=False, **kw)
     assert ours.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True, **kw) == want_ids
+
+
+def test_tool_schemas_keep_their_nulls(text_checkpoint, tmp_path):  # noqa: F811
+    """`tools | tojson` renders a schema's "default": null as transformers does (nothing is dropped from tools)."""
+    path = _tokenizer_dir(text_checkpoint.path, tmp_path / "tools",
+                          chat_template="{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    ours, ref = Tokenizer.from_pretrained(path), transformers.AutoTokenizer.from_pretrained(path)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"unit": {"type": "string", "default": None}}}}}]
+    msgs = CONVERSATIONS["user-only"]
+    want = ref.apply_chat_template(msgs, tools=tools, tokenize=False)
+    assert '"default": null' in want and ours.apply_chat_template(msgs, tools=tools) == want
 
 
 def test_template_sources_follow_transformers_priority(text_checkpoint, tmp_path):  # noqa: F811

@@ -39,6 +39,8 @@ PLUGIN = textwrap.dedent('''
             time.sleep(1000)
         if mode == "raise":
             raise ValueError("plugin failure sentinel-4242")
+        if mode == "exit":
+            os._exit(7)
         return {"score": float(completion == answer), "length": len(completion)}
 
 
@@ -149,6 +151,23 @@ def test_raising_plugin_follows_the_error_limit(pool):
     with pytest.raises(RewardError, match="2 of 100") as info:
         above.check("rollout")
     assert "sentinel-4242" in str(info.value) and "Traceback" in str(info.value)
+
+
+def test_dead_workers_are_replaced_idle_or_busy(pool):
+    """A worker killed while idle (an OOM kill) is replaced at the next hand-over, not a BrokenPipeError out of
+    submit(); one that dies during a call fails that call with its real exit code (not None: not yet reaped)."""
+    import os
+    import signal
+
+    while not all(w.ready for w in pool._workers):  # both idle after importing (a death while importing is a
+        pool._pump(0.05)                              # ConfigError, by design)
+    for w in pool._workers:
+        os.kill(w.proc.pid, signal.SIGKILL)
+        w.proc.join(timeout=5)
+    assert [o.score for o in pool.gather(pool.submit([RewardCall("5", "5", "", {})] * 3))] == [1.0] * 3
+    outcomes = pool.gather(pool.submit([RewardCall("7", "7", "", {}), RewardCall("", "", "", {"mode": "exit"})]))
+    assert outcomes[0].score == 1.0 and not outcomes[0].error
+    assert outcomes[1].error.startswith("RewardWorkerDied") and "exited with code 7" in outcomes[1].error
 
 
 def test_process_with_a_hung_worker_exits(plugin, tmp_path):

@@ -143,6 +143,20 @@ def test_masked_responses_contribute_zero_gradient():
     assert not torch.allclose(unmasked, without, rtol=1e-3, atol=1e-6)
 
 
+def test_ppo_with_every_response_masked_has_nothing_to_learn():
+    """PPO's GAE puts each reward on the response's last trained token; with every response masked as
+    over-long there is none (the padded width is 0): loss 0 and no gradient, not an IndexError."""
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(preset("tiny"), seed=3)
+    learner = Learner(model, TrainSection(algo="ppo", group_size=2, prompts_per_step=1, max_grad_norm=1e9))
+    prompts, comps = [[1, 2, 3]] * 2, [[5, 6], [8]]
+    lps = [[-1.0] * len(c) for c in comps]
+    m = learner.compute_grads(pack(prompts, comps, lps, [0.0, 0.0], [1.0, 0.0], loss_weights=[0.0, 0.0]))
+    assert m["loss"] == 0.0 and m["value_loss"] == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert learner.compute_grads(pack(prompts, comps, lps, [0.0, 0.0], [1.0, 0.0]))["loss"] != 0.0  # control
+
+
 def test_overlong_fraction_logged_and_mask_leaves_nothing_to_learn(tmp_path):
     # max_tokens 1: an answer digit is always cut before its <eos>, so every response is over-long
     cfg = _cfg(tmp_path, "ol", ["--gen.max_tokens", "1", "--train.overlong", "mask", "--train.updates", "2",

@@ -68,10 +68,11 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def _plain(value):
-    """A JSON-like copy of the caller's data (what the sandbox sees): dicts, lists, scalars; None values dropped
-    from messages as transformers does (templates handle a missing key, not `content=None`)."""
+    """A JSON-like copy of the caller's data (what the sandbox sees): dicts, lists, scalars; None kept (render
+    drops the None keys of each message only, as transformers does: nested nulls such as a tool call's
+    argument or a tool schema's "default" are data)."""
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items() if v is not None}
+        return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if value is None or isinstance(value, (str, int, float, bool)):
@@ -92,7 +93,9 @@ def render(source: str, messages: list[dict], *, add_generation_prompt: bool, sp
     template = compile_template(source)
     variables = {**special_tokens, **kwargs}
     try:
-        return template.render(messages=_plain(messages), tools=_plain(tools), documents=_plain(documents),
+        # a message's None keys are dropped (templates handle a missing key, not `content=None`), as transformers does
+        messages = [{k: v for k, v in m.items() if v is not None} for m in _plain(messages)]
+        return template.render(messages=messages, tools=_plain(tools), documents=_plain(documents),
                                add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template: {exc}") from None

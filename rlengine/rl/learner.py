@@ -171,7 +171,8 @@ class Learner:
         v, m, r = (values_T.new_zeros(B, L) for _ in range(3))
         for b, ((a, e), n) in enumerate(zip(segs, lens)):
             v[b, :n], m[b, :n] = values_T[e - n:e], 1.0
-            r[b, n - 1] = batch.rewards[b]
+            if n:  # a masked (over-long) response has no trained token; with every one masked L = 0
+                r[b, n - 1] = batch.rewards[b]
         adv_BL, ret_BL = gae(r, v, m, gamma=self.cfg.gamma, lam=self.cfg.lam)
         adv_T, ret_T = torch.zeros_like(values_T), torch.zeros_like(values_T)
         for b, ((a, e), n) in enumerate(zip(segs, lens)):

@@ -192,6 +192,7 @@ class RewardPool:
         try:
             tag, value = w.conn.recv()
         except (EOFError, OSError):  # the worker died (a crash in native code, os._exit, OOM kill)
+            w.proc.join(timeout=1.0)  # the pipe closes before the process is reaped: exitcode would read None
             code = w.proc.exitcode
             if not w.ready:
                 self._replace(w)
@@ -229,7 +230,12 @@ class RewardPool:
                 return
             if w.ready and w.call is None:
                 call_id, call = self._queue.popleft()
-                w.conn.send((call_id, call))
+                try:
+                    w.conn.send((call_id, call))
+                except OSError:  # the idle worker died (an OOM kill, say): replace it, the call waits for a worker
+                    self._queue.appendleft((call_id, call))
+                    self._replace(w)
+                    continue
                 w.call = (call_id, time.monotonic() + self.timeout)
 
 
