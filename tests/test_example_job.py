@@ -111,3 +111,26 @@ def test_chat_template_without_template_is_a_config_error(tmp_path):
             "--task.reward_workers", "0", "--train.warmup_updates", "0", "--run.out_dir", str(tmp_path / "run")]
     with pytest.raises(ConfigError, match="no chat template"):
         Trainer(load_config("gsm8k", over))
+
+
+def test_plain_prompts_get_the_tokenizers_special_tokens_like_transformers(tmp_path):
+    """Without a chat template a prompt is encoded as transformers / vLLM encode text (a Llama 3 base
+    model's BOS included); the built-in tokenizer has no post-processor, so its prompts are unchanged."""
+    from tokenizers import processors
+
+    import transformers
+    from rlengine.model.tokenizer import Tokenizer
+    from rlengine.rl.prompts import PromptEncoder
+
+    base = build_text_checkpoint(tmp_path / "base", chat_template=None)
+    tok = Tokenizer.from_pretrained(base.path)
+    bos = tok.hf.token_to_id("<|im_start|>")
+    tok.hf.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    tok.hf.save(str(base.path / "tokenizer.json"))
+    tok = Tokenizer.from_pretrained(base.path)
+    text = "Natalia sold 48 clips in April."
+    ids = PromptEncoder(tok)(text)
+    assert ids[0] == bos and ids[1:] == tok.encode(text)
+    assert ids == transformers.AutoTokenizer.from_pretrained(base.path)(text)["input_ids"]
+    builtin = Tokenizer.builtin()
+    assert PromptEncoder(builtin)("12+3=") == builtin.encode("12+3=")

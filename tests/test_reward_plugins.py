@@ -20,6 +20,7 @@ import rlengine
 
 from rlengine.config import ConfigError
 from rlengine.rl.config import load_config
+from rlengine.rl import reward_pool
 from rlengine.rl.reward_pool import InlineRunner, RewardPool, make_runner
 from rlengine.rl.rewards import RewardCall, RewardError, RewardScorer, resolve_reward
 from rlengine.rl.trainer import Trainer
@@ -64,6 +65,7 @@ def plugin(tmp_path_factory):
     root = tmp_path_factory.mktemp("plugins")
     (root / "rl_plugin_mod.py").write_text(PLUGIN)
     (root / "rl_plugin_broken.py").write_text("raise ImportError('broken on purpose')\n")
+    (root / "rl_plugin_hangs.py").write_text("import time\ntime.sleep(1000)\ndef fn(c, a):\n    return 0.0\n")
     sys.path.insert(0, str(root))
     yield "rl_plugin_mod"
     sys.path.remove(str(root))
@@ -238,3 +240,13 @@ def test_trainer_closes_the_pool_when_rewards_fail(plugin, tmp_path):
     assert tr.rewards._workers == [] and not any(p.is_alive() for p in procs)
     lines = (tmp_path / "fail" / "metrics.jsonl").read_text().splitlines()
     assert lines == []  # it stopped at the first evaluation (update 0), before any update
+
+
+def test_a_module_that_hangs_at_import_is_a_config_error(plugin, monkeypatch):
+    """Workers that never finish importing the reward stop the run with a ConfigError (killed), not a hang."""
+    monkeypatch.setattr(reward_pool, "IMPORT_TIMEOUT_S", 1.5)
+    pool = RewardPool("rl_plugin_hangs:fn", workers=1, timeout=1.0)
+    procs = [w.proc for w in pool._workers]
+    with pytest.raises(ConfigError, match="did not finish importing"):
+        pool.gather(pool.submit([RewardCall("c", "a", "p", {})]))
+    assert not any(p.is_alive() for p in procs)

@@ -4,7 +4,9 @@ With task.chat_template = true each problem's prompt becomes the messages
 [{"role": "system", "content": task.system_prompt} (only when set), {"role": "user", "content": prompt}]
 rendered by the tokenizer's own chat template with the generation prompt appended (the
 assistant turn the model completes), exactly as transformers' apply_chat_template(...,
-add_generation_prompt=True, tokenize=True) renders it. Rewards still see the raw prompt text.
+add_generation_prompt=True, tokenize=True) renders it. Without a template a prompt is encoded with the
+tokenizer's special tokens (add_special_tokens=True: a Llama 3 base model gets its BOS), as vLLM and
+transformers encode a text prompt. Rewards still see the raw prompt text.
 Encodings are cached per prompt text (a GRPO job encodes the same prompts again and again).
 """
 
@@ -36,6 +38,6 @@ class PromptEncoder:
                 ids = list(self.tok.apply_chat_template(self.messages(prompt), add_generation_prompt=True,
                                                         tokenize=True))
             else:
-                ids = self.tok.encode(prompt)
+                ids = self.tok.encode(prompt, add_special_tokens=True)
             self._cache[prompt] = ids
         return ids

@@ -25,6 +25,8 @@ from multiprocessing.connection import wait as wait_connections
 from rlengine.config import ConfigError
 from rlengine.rl.rewards import RewardCall, RewardFn, RewardOutcome, _takes_four, call_reward, resolve_reward
 
+IMPORT_TIMEOUT_S = 120.0  # a spawned worker that has not imported the reward by then is a config error
+
 
 class InlineRunner:
     """Reward calls in this process, computed at submit() (task.reward_workers = 0)."""
@@ -83,6 +85,7 @@ class _Worker:
         self.proc.start()
         child.close()
         self.ready = False
+        self.started = time.monotonic()
         self.call: tuple[int, float] | None = None
 
     def kill(self) -> None:
@@ -176,11 +179,16 @@ class RewardPool:
         if not busy:
             return
         now = time.monotonic()
-        deadlines = [w.call[1] - now for w in busy.values() if w.call is not None]
+        deadlines = [w.call[1] - now if w.call is not None else w.started + IMPORT_TIMEOUT_S - now
+                     for w in busy.values()]
         wait_s = max(0.0, min([wait_s, *deadlines]))
         for conn in wait_connections(list(busy), timeout=wait_s):
             self._receive(busy[conn])
         now = time.monotonic()
+        if any(not w.ready and now >= w.started + IMPORT_TIMEOUT_S for w in self._workers):
+            self.close()
+            raise ConfigError(f"task.reward = {self.spec!r}: a reward worker process did not finish importing "
+                              f"the reward within {IMPORT_TIMEOUT_S:g} s (does the module hang at import?)")
         for w in list(self._workers):
             if w.call is not None and now >= w.call[1]:
                 self.timeouts += 1
