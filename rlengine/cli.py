@@ -16,6 +16,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
 
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    """--config / --algo: which RL job (train and tune)."""
+    p.add_argument("--config", default=None, help="the job's TOML file, or a packaged config name such as gsm8k "
+                   "(default: the bundled grpo/ppo config)")
+    p.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="which bundled config to use")
+
+
 def _cmd_info(args) -> int:
     import torch
 
@@ -298,8 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run an RL job. With no arguments: the embedded default (GRPO, tiny preset, "
                        "built-in first-digit task, CPU if no GPU). Override any config field with dotted "
                        "options, e.g. --train.b_train 256 --gen.b_gen 512.")
-    p.add_argument("--config", default=None, help="TOML config file (default: the bundled grpo/ppo config)")
-    p.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="which bundled config to use")
+    _add_job_args(p)
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     p.add_argument("--nproc", type=int, default=None, metavar="K",
                    help="run K ranks on this node (torchrun; one device each, gloo on CPU, nccl on CUDA)")
@@ -323,8 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Stage 1: sample-matched curves per B_train with the sqrt LR rule (r_N at J*); "
                        "stage 2: raise B_gen until q plateaus or B_KV; choose max q / r_N; confirm against the "
                        "job on fresh seeds; write report.md, report.json, chosen.toml, runs.jsonl, figures/.")
-    p.add_argument("--config", default=None, help="the job's TOML (default: the bundled grpo/ppo config)")
-    p.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="which bundled config to use")
+    _add_job_args(p)
     p.add_argument("--target-j", type=float, default=0.6, help="J* (default 0.6: the bundled job's mid-way J)")
     p.add_argument("--b-train", default="", help="candidate B_train list, e.g. 64,128,256,512 "
                    "(default: the job's B_train x 1/2, 1, 2, 4)")

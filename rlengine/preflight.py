@@ -66,17 +66,19 @@ def check_model(name: str, what: str) -> ModelConfig:
 
 
 def check_train_config(cfg) -> None:
-    """Everything a TrainConfig needs from this machine and its files (Trainer builds the same later)."""
+    """Everything a TrainConfig needs from this machine and its files, checked as the Trainer checks it
+    (the same task, eval sets, prompt encoder and prompt-length check), without loading any weights."""
     from rlengine.model.factory import tokenizer_for
+    from rlengine.rl.evaluation import build_eval_sets
+    from rlengine.rl.prompts import PromptEncoder, check_job_prompts
     from rlengine.rl.tasks import build_task
 
     device = check_device(cfg.model.device, "model.device")
     model = check_model(cfg.model.name, "model.name")
-    backend = "torch" if cfg.gen.backend == "auto" and cfg.model.dtype == "float64" else cfg.gen.backend
-    check_backend(backend, device, "gen.backend")
+    check_backend(cfg.attention_backend, device, "gen.backend")
     t = cfg.task
     task = build_task(t.name, path=t.path, eval_path=t.eval_path, reward=t.reward, num_train=t.num_train,
                       num_eval=t.num_eval, seed=t.seed)
-    mpe, g = model.max_position_embeddings, cfg.gen
-    task.check_prompts(tokenizer_for(cfg.model.name).encode, mpe - g.max_tokens,
-                       limit=f"max_position_embeddings {mpe} - gen.max_tokens {g.max_tokens}")
+    encode = PromptEncoder(tokenizer_for(cfg.model.name), chat_template=t.chat_template, system_prompt=t.system_prompt)
+    check_job_prompts(task, build_eval_sets(task, cfg.eval) if cfg.eval.sets else [], encode,
+                      max_position_embeddings=model.max_position_embeddings, max_tokens=cfg.gen.max_tokens)

@@ -1,16 +1,25 @@
-"""Validation shared by the installed benchmarks' options, run right after argparse.
+"""Options and validation shared by the installed benchmarks, run right after argparse.
 
-Each benchmark's main(argv) calls check_args before building a model: a bad option is a
+add_model_options declares the model options every model benchmark takes. Each benchmark's main(argv) calls check_args before building a model: a bad option is a
 ConfigError naming the option (one line from `rlengine bench NAME`, exit code 2), never a
 traceback from deep inside the sweep.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
-from rlengine.config import ConfigError
+from rlengine.config import DTYPES, ConfigError
 from rlengine.preflight import check_backend, check_device
+
+
+def add_model_options(p: argparse.ArgumentParser, *, dtypes=tuple(DTYPES), model_help: str = "preset name") -> None:
+    """--model (default qwen3-30m, the CPU decode benchmark shape), --dtype, --device (cuda when available)."""
+    p.add_argument("--model", default="qwen3-30m", help=model_help)
+    p.add_argument("--dtype", default="float32", choices=list(dtypes))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def int_list(text: str, option: str) -> list[int]:

@@ -30,7 +30,7 @@ import time
 import torch
 
 from rlengine.analysis.fits import bootstrap_fits, critical_generation_batch, fit_generation_time, fit_training_time
-from rlengine.benchmarks.args import check_args, int_list
+from rlengine.benchmarks.args import add_model_options, check_args, int_list
 from rlengine.benchmarks.lengths import add_length_args, sample_lengths
 from rlengine.benchmarks.report import format_table, write_result
 from rlengine.config import DTYPES, ConfigError, preset
@@ -145,9 +145,7 @@ def _print_fits(fit: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlengine bench asymmetry", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-30m", help="preset name")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_options(p)
     p.add_argument("--batches", default="8,16,32,64", help="comma-separated B (responses; multiples of G)")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)

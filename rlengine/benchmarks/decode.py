@@ -44,7 +44,7 @@ import torch
 
 from rlengine.analysis.ceilings import measure_ceilings
 from rlengine.analysis.roofline import decode_roofline
-from rlengine.benchmarks.args import check_args
+from rlengine.benchmarks.args import add_model_options, check_args
 from rlengine.benchmarks.hf_baseline import HFProvider, load_pair
 from rlengine.benchmarks.lengths import add_length_args, sample_lengths
 from rlengine.benchmarks.report import format_table, write_result
@@ -272,9 +272,7 @@ def _ints(name: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlengine bench decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-30m", help="preset name or HF checkpoint directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_options(p, dtypes=("float32", "bfloat16"), model_help="preset name or HF checkpoint directory")
     p.add_argument("--backend", default="auto", help="attention backend (auto, cpp, torch, ...)")
     p.add_argument("--batches", type=_ints("batches"), default=[2**i for i in range(9)], help="comma-separated B_act")
     p.add_argument("--max-batch", type=int, default=256)

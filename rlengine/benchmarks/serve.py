@@ -18,7 +18,7 @@ import random
 import time
 import torch
 
-from rlengine.benchmarks.args import check_args
+from rlengine.benchmarks.args import add_model_options, check_args
 from rlengine.benchmarks.lengths import add_length_args, sample_lengths
 from rlengine.benchmarks.report import format_table, write_result
 from rlengine.benchmarks.serving_metrics import RequestTiming, parse_slos, serving_metrics
@@ -86,9 +86,7 @@ def _rate(text: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlengine bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-30m", help="preset name")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_options(p)
     p.add_argument("--backend", default="auto", help="attention backend")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--num-requests", type=int, default=64)

@@ -275,6 +275,11 @@ class TrainConfig:
             _check(t.overlong_buffer <= self.gen.max_tokens,
                    f"train.overlong_buffer ({t.overlong_buffer}) must be <= gen.max_tokens ({self.gen.max_tokens})")
 
+    @property
+    def attention_backend(self) -> str:
+        """The engines' backend: gen.backend, except that auto on a float64 model is torch (the fp64 oracle)."""
+        return "torch" if self.gen.backend == "auto" and self.model.dtype == "float64" else self.gen.backend
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from rlengine.config import ConfigError
 from rlengine.model.tokenizer import Tokenizer
+from rlengine.rl.tasks import Task
 
 
 class PromptEncoder:
@@ -41,3 +42,15 @@ class PromptEncoder:
                 ids = self.tok.encode(prompt, add_special_tokens=True)
             self._cache[prompt] = ids
         return ids
+
+
+def check_job_prompts(task: Task, extra_sets, encode: PromptEncoder, *, max_position_embeddings: int,
+                      max_tokens: int) -> None:
+    """Every prompt of the task (train and held-out) and of the named eval sets `extra_sets`, as `encode`
+    renders it, leaves gen.max_tokens of room: DatasetError naming the ones that do not. One check for
+    the CLI's preflight and the trainer."""
+    limit = f"max_position_embeddings {max_position_embeddings} - gen.max_tokens {max_tokens}"
+    room = max_position_embeddings - max_tokens
+    task.check_prompts(encode, room, limit=limit)
+    for es in extra_sets:
+        Task(f"eval set {es.name}", [], es.problems, task.reward_fn).check_prompts(encode, room, limit=limit)

@@ -36,7 +36,7 @@ from rlengine.rl.learner import Learner
 from rlengine.rl.distributed import Dist, init_from_env
 from rlengine.rl.evaluation import Evaluator, build_eval_sets
 from rlengine.rl.overlong import shape_overlong
-from rlengine.rl.prompts import PromptEncoder
+from rlengine.rl.prompts import PromptEncoder, check_job_prompts
 from rlengine.rl.reward_pool import make_runner
 from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector
 from rlengine.rl.run_outputs import RunOutputs, samples_rows
@@ -72,17 +72,12 @@ def _build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode
     """The rollout engine and the eval engine (sharing one KV pool) sized for the job's longest prompt,
     after checking every train and eval prompt fits; returns (llm, eval_llm, memory_plan or None)."""
     g = cfg.gen
-    mpe = model.config.max_position_embeddings
-    limit = f"max_position_embeddings {mpe} - gen.max_tokens {g.max_tokens}"
-    task.check_prompts(encode, mpe - g.max_tokens, limit=limit)
-    for es in eval_sets if cfg.eval.sets else []:
-        Task(f"eval set {es.name}", [], es.problems, task.reward_fn).check_prompts(
-            encode, mpe - g.max_tokens, limit=limit)
+    check_job_prompts(task, eval_sets if cfg.eval.sets else [], encode,
+                      max_position_embeddings=model.config.max_position_embeddings, max_tokens=g.max_tokens)
     eval_problems = [p for es in eval_sets for p in es.problems]
     max_len = max(len(encode(p.prompt)) for p in task.train + eval_problems) + g.max_tokens + 1
-    backend = "torch" if g.backend == "auto" and cfg.model.dtype == "float64" else g.backend  # fp64: the oracle
     common = dict(block_size=g.block_size, max_model_len=min(max_len, model.config.max_position_embeddings),
-                  attention_backend=backend, enforce_eager=g.enforce_eager)
+                  attention_backend=cfg.attention_backend, enforce_eager=g.enforce_eager)
     eval_seqs = min(256, (len(eval_problems) if cfg.eval.sets else cfg.task.num_eval) * cfg.eval.k)
     num_kv_blocks, memory_plan = g.num_kv_blocks or None, None
     if num_kv_blocks is None and model.device.type == "cuda":
