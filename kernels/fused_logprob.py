@@ -390,8 +390,10 @@ def fused_logprob(h_TC: Tensor, w_VC: Tensor, targets_T: Tensor, *, temperature:
 
 def fused_logprob_ref(h_TC: Tensor, w_VC: Tensor, targets_T: Tensor, *, temperature: float = 1.0,
                       return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """The oracle: full fp32 logits, log_softmax, gather. Same signature and outputs as fused_logprob."""
-    logp_TV = torch.log_softmax((h_TC.float() @ w_VC.float().T) / temperature, dim=-1)
+    """The oracle: full fp32 logits (float64 for float64 inputs), log_softmax, gather. Same signature
+    and outputs as fused_logprob."""
+    acc = torch.promote_types(h_TC.dtype, torch.float32)
+    logp_TV = torch.log_softmax((h_TC.to(acc) @ w_VC.to(acc).T) / temperature, dim=-1)
     logp = logp_TV.gather(1, targets_T.long()[:, None]).squeeze(1)
     if not return_entropy:
         return logp

@@ -49,7 +49,9 @@ def _same_run(a: list[dict], b: list[dict]) -> None:
 
 def test_gradients_and_updates_equal_one_process():
     """DDP and FSDP, GRPO (token/seq mean, KL) and PPO with a critic, unequal micro-batches per rank:
-    pre-clip gradients and the parameters after two updates equal the 1-rank full batch's (1e-5)."""
+    pre-clip gradients equal the 1-rank full batch's: the first step's in fp32 (1e-5, the rounding of a
+    reordered fp32 sum over a few hundred terms), and both steps' and the parameters after two updates
+    in float64 (1e-10)."""
     out = ROOT / "tests" / "dist" / ".grad_equivalence.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                         "tests/dist/grad_equivalence.py", str(out)], cwd=ROOT, env=_env(), capture_output=True,
@@ -57,9 +59,14 @@ def test_gradients_and_updates_equal_one_process():
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     out.unlink()
-    for name, errs in res.items():
-        if isinstance(errs, dict):
-            assert max(errs.values()) < 1e-5, (name, errs)
+    cases = {name: errs for name, errs in res.items() if isinstance(errs, dict)}
+    assert len(cases) == 12 and all("params" in e for n, e in cases.items() if n.endswith("float64"))
+    for name, errs in cases.items():
+        for key, err in errs.items():
+            # float64 gradients and weights carry no fp32 rounding (1e-10); the reported loss is summed
+            # from fp32 batch fields (old log-probs, advantages), so it agrees to fp32 rounding only
+            bound = 1e-10 if name.endswith("float64") and not key.startswith("loss") else 1e-5
+            assert err < bound, (name, key, errs)
     assert {k.split("-")[0] for k in res if "-" in k} == {"ddp", "fsdp"}
     # FSDP: each rank holds about half of the parameter + optimizer bytes (plus rounding of odd shapes)
     assert 0.45 < res["fsdp_bytes_ratio"] < 0.6, res["fsdp_bytes_ratio"]

@@ -38,8 +38,11 @@ def logits_fp32(h_BC: torch.Tensor, w_VC: torch.Tensor) -> torch.Tensor:
     """h @ W^T with low-precision inputs, fp32 accumulation and fp32 output: [B, C] x [V, C] -> [B, V].
 
     CUDA: one GEMM with out_dtype=float32 (cuBLAS accumulates in fp32; no fp32 copy of W).
-    Elsewhere: upcast both inputs (exact) and multiply in fp32.
+    Elsewhere: upcast both inputs (exact) and multiply in fp32. A float64 model (the test-only
+    dtype of the exact multi-rank comparisons) keeps float64 logits: no fp32 rounding enters.
     """
+    if h_BC.dtype == torch.float64:
+        return F.linear(h_BC, w_VC.double())
     if h_BC.device.type == "cuda" and _MM_OUT_DTYPE:
         return torch.mm(h_BC, w_VC.t(), out_dtype=torch.float32)
     return F.linear(h_BC.float(), w_VC.float())
