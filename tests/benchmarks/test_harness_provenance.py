@@ -2,7 +2,7 @@
 
 The GPU timing loop (events + L2 flush, one sync) runs here with a perf_counter stand-in for
 torch.cuda.Event; the real events, the flush buffer and CUDA-graph timing need a GPU
-(tests/test_gpu.py's tier). Nothing here asserts on how long anything took.
+(tests/gpu/test_measurement_gpu.py). Nothing here asserts on how long anything took.
 """
 
 import json

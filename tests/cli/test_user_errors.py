@@ -18,7 +18,7 @@ import torch
 from rlengine.cli import main
 from rlengine.config import preset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOOD_ROW = {"prompt": "1+1=", "answer": "2"}
 
 

@@ -3,9 +3,11 @@
 import pytest
 import torch
 
-from conftest import store_kvcache_ref, tol
 from rlengine import _ext  # noqa: F401  (loads torch.ops.rlengine; fails loudly if the build is missing)
 from rlengine.model.layers import rms_norm_ref
+
+from tests.support.kv_cache_ref import store_kvcache_ref
+from tests.support.tolerances import tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -185,7 +187,7 @@ def test_setup_records_compiler_error_and_require_makes_it_fatal(tmp_path, requi
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for sub in ("csrc", "rlengine/configs", "kernels"):
         (tmp_path / sub).mkdir(parents=True)
     shutil.copy(root / "setup.py", tmp_path)

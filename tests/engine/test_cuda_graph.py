@@ -3,18 +3,18 @@
 StaticReplay replays a bucket's captured forward on the fixed buffers and the capture-time batch
 only, as a CUDA graph would, so these tests check the bucketing, the null-block padding and the
 buffer filling against transformers and the eager engine. The capture itself needs CUDA:
-tests/test_gpu.py replays real graphs.
+tests/gpu/test_model_and_engine_gpu.py replays real graphs.
 """
 
 import pytest
 import torch
 
-from hf_models import DENSE_CONFIGS, MOE_CONFIGS, make_hf_model, save_hf_model
 from rlengine import LLM, SamplingParams
 from rlengine.engine.attention.torch_backend import TorchBackend
 from rlengine.engine.cuda_graph import DecodeGraphs, StaticReplay, bucket_sizes
 from rlengine.model import load_pretrained
-from test_engine_parity import _hf_greedy, _prompts
+
+from tests.support.hf_models import DENSE_CONFIGS, MOE_CONFIGS, hf_greedy, make_hf_model, random_prompts, save_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -55,14 +55,14 @@ def test_cpu_engine_leaves_graphs_off_and_says_why(dense):
 def test_graph_replay_matches_transformers_and_eager(dense):
     """16 ragged prompts, B_gen 5: decode steps run in buckets 1, 2, 4, 5 with padding rows."""
     hf, path = dense
-    prompts = _prompts(16, hf.config.vocab_size, 200, seed=21)
+    prompts = random_prompts(16, hf.config.vocab_size, 200, seed=21)
     # ragged lengths too, so sequences leave mid-batch and steps run with 1..5 sequences
     params = [SamplingParams(temperature=0.0, max_tokens=3 + i % 8, ignore_eos=True) for i in range(16)]
     llm, graphs = _graph_llm(path)
     outs = llm.generate(prompts, params)
     eager = LLM(load_pretrained(path), max_num_seqs=5, attention_backend="cpp", block_size=8).generate(prompts, params)
     for prompt, p, out, ref in zip(prompts, params, outs, eager):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, p.max_tokens), f"prompt of length {len(prompt)}"
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, p.max_tokens), f"prompt of length {len(prompt)}"
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         torch.testing.assert_close(torch.tensor(out.outputs[0].logprobs), torch.tensor(ref.outputs[0].logprobs),
                                    atol=1e-5, rtol=0)
@@ -99,7 +99,7 @@ def test_padding_rows_write_only_the_null_block(dense):
 
 def test_graphs_survive_kv_exhaustion_and_forks(dense):
     hf, path = dense
-    prompts = _prompts(6, hf.config.vocab_size, 30, seed=4)
+    prompts = random_prompts(6, hf.config.vocab_size, 30, seed=4)
     params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
     small, graphs = _graph_llm(path, max_num_seqs=6, num_kv_blocks=8)
     outs = small.generate(prompts, params)
@@ -113,11 +113,11 @@ def test_a_backend_reading_host_values_fails_under_replay(dense, monkeypatch):
     """The stand-in is strict: the torch backend plans from context_lens (host), so marking it graph-safe
     must produce wrong tokens. This is the failure a real CUDA graph would give."""
     hf, path = dense
-    prompts = _prompts(4, hf.config.vocab_size, 40, seed=2)
+    prompts = random_prompts(4, hf.config.vocab_size, 40, seed=2)
     monkeypatch.setattr(TorchBackend, "graph_safe", True)
     llm, _ = _graph_llm(path, backend="torch", max_num_seqs=4)
     outs = llm.generate(prompts, GREEDY)
-    assert any(o.outputs[0].token_ids != _hf_greedy(hf, p, 10) for p, o in zip(prompts, outs))
+    assert any(o.outputs[0].token_ids != hf_greedy(hf, p, 10) for p, o in zip(prompts, outs))
 
 
 def test_graphs_refuse_unsafe_configurations(dense, moe):
@@ -136,12 +136,12 @@ def test_graphs_refuse_unsafe_configurations(dense, moe):
 
 def test_batches_above_the_largest_bucket_run_eager(dense):
     hf, path = dense
-    prompts = _prompts(6, hf.config.vocab_size, 20, seed=9)
+    prompts = random_prompts(6, hf.config.vocab_size, 20, seed=9)
     llm = LLM(load_pretrained(path), max_num_seqs=6, attention_backend="cpp", block_size=8)
     graphs = llm._use_decode_graphs(StaticReplay, sizes=[1, 2])
     outs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 10)
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 10)
     steps = [r.b_act for r in outs.trace if r.kind == "decode"]
     assert graphs.num_replays == sum(b <= 2 for b in steps) and any(b > 2 for b in steps)
 
@@ -149,7 +149,7 @@ def test_batches_above_the_largest_bucket_run_eager(dense):
 def test_moe_graph_replay_with_routing_record(moe):
     """Triton MoE experts (sync-free, so capturable) under the interpreter; routing ids are graph outputs."""
     hf, path = moe
-    prompts = _prompts(3, hf.config.vocab_size, 12, seed=1)
+    prompts = random_prompts(3, hf.config.vocab_size, 12, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     llm, graphs = _graph_llm(path, max_num_seqs=3, moe_impl="triton", record_routing=True)
     outs = llm.generate(prompts, params)
@@ -157,7 +157,7 @@ def test_moe_graph_replay_with_routing_record(moe):
                 record_routing=True).generate(prompts, params)
     assert graphs.num_replays > 0
     for prompt, a, b in zip(prompts, outs, eager):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids == _hf_greedy(hf, prompt, 3)
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == hf_greedy(hf, prompt, 3)
         ra, rb = a.outputs[0].routing_ids, b.outputs[0].routing_ids
         assert ra.shape == rb.shape == (len(prompt) + 2, 2, 2)
         assert torch.equal(ra, rb)
@@ -166,12 +166,12 @@ def test_moe_graph_replay_with_routing_record(moe):
 def test_triton_backend_graph_replay(dense):
     """The Triton paged-decode kernel under the interpreter, its splits fixed by the bucket's capacity."""
     hf, path = dense
-    prompts = _prompts(3, hf.config.vocab_size, 24, seed=3)
+    prompts = random_prompts(3, hf.config.vocab_size, 24, seed=3)
     llm, graphs = _graph_llm(path, backend="triton", max_num_seqs=3, block_size=4, max_model_len=64)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert graphs.num_replays > 0
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 3)
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 3)
 
 
 def test_graphs_see_in_place_weight_updates(dense):
@@ -180,7 +180,7 @@ def test_graphs_see_in_place_weight_updates(dense):
     model = load_pretrained(path)
     llm = LLM(model, max_num_seqs=2, attention_backend="cpp", block_size=8)
     graphs = llm._use_decode_graphs(StaticReplay)
-    prompt = _prompts(2, hf.config.vocab_size, 10, seed=5)[1]
+    prompt = random_prompts(2, hf.config.vocab_size, 10, seed=5)[1]
     before = llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
     with torch.no_grad():
         for p in model.parameters():

@@ -9,15 +9,10 @@ smaller case).
 import pytest
 import torch
 
-from hf_models import DENSE_CONFIGS, MOE_CONFIGS, make_hf_model, save_hf_model
 from rlengine import LLM, SamplingParams
 from rlengine.model import load_pretrained
 
-
-def _prompts(n, vocab, max_len, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    lens = [1, max_len] + torch.randint(2, max_len, (n - 2,), generator=gen).tolist()
-    return [torch.randint(0, vocab, (n_,), generator=gen).tolist() for n_ in lens]
+from tests.support.hf_models import DENSE_CONFIGS, MOE_CONFIGS, hf_greedy, make_hf_model, random_prompts, save_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +25,6 @@ def models(tmp_path_factory):
     return out
 
 
-def _hf_greedy(hf, prompt, max_new):
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        # explicit all-ones mask: otherwise generate() masks prompt tokens equal to pad_token_id
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
 CASES = [("dense", "torch", 16, 200, 12), ("moe", "torch", 16, 200, 12),
          ("dense", "cpp", 16, 200, 12), ("moe", "cpp", 16, 200, 12),
          ("dense", "triton", 4, 40, 4), ("moe", "triton", 3, 24, 3)]
@@ -48,13 +34,13 @@ CASES = [("dense", "torch", 16, 200, 12), ("moe", "torch", 16, 200, 12),
                          ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_greedy_matches_transformers(models, kind, backend, num_prompts, max_len, max_new):
     hf, path = models[kind]
-    prompts = _prompts(num_prompts, hf.config.vocab_size, max_len, seed=len(kind) + num_prompts)
+    prompts = random_prompts(num_prompts, hf.config.vocab_size, max_len, seed=len(kind) + num_prompts)
     llm = LLM(load_pretrained(path), max_num_seqs=max(2, num_prompts // 3), attention_backend=backend,
               block_size=8 if backend != "triton" else 4)
     assert llm.attention_backend == backend
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, max_new), f"prompt of length {len(prompt)}"
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, max_new), f"prompt of length {len(prompt)}"
     # continuous batching actually ran decode steps with a partial batch, and admitted work later
     assert max(r.b_act for r in outs.trace if r.kind == "decode") <= llm.max_num_seqs
     assert sum(r.kind == "prefill" for r in outs.trace) > 1
@@ -70,7 +56,7 @@ def test_greedy_matches_transformers(models, kind, backend, num_prompts, max_len
 
 def test_sampled_logprobs_use_temperature(models):
     hf, path = models["dense"]
-    prompts = _prompts(4, hf.config.vocab_size, 30, seed=3)
+    prompts = random_prompts(4, hf.config.vocab_size, 30, seed=3)
     llm = LLM(load_pretrained(path), max_num_seqs=4, attention_backend="torch")
     outs = llm.generate(prompts, SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_tokens=6, seed=1,
                                                 ignore_eos=True))
@@ -86,7 +72,7 @@ def test_sampled_logprobs_use_temperature(models):
 def test_unwritten_cache_memory_never_leaks_into_outputs(models, backend):
     """Cache slots no sequence wrote (here: NaN) must not reach any output, whatever the padding."""
     hf, path = models["dense"]
-    prompts = _prompts(6, hf.config.vocab_size, 40, seed=9)
+    prompts = random_prompts(6, hf.config.vocab_size, 40, seed=9)
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=3, ignore_eos=True)
     clean = LLM(load_pretrained(path), max_num_seqs=3, attention_backend=backend).generate(prompts, params)
     llm = LLM(load_pretrained(path), max_num_seqs=3, attention_backend=backend)

@@ -6,7 +6,8 @@ ModelRunner._read_outputs, which brings back the sampled tokens, their log-probs
 ids in one packed transfer. Here (no GPU) the same code runs with the tensor methods that would
 read the device wrapped to count their calls, outside and inside that one read: a decode step must
 make exactly one _read_outputs call and no other device read, eagerly and through the CUDA-graph
-stand-in. tests/test_engine_gpu.py runs the same steps under torch.cuda.set_sync_debug_mode("error").
+stand-in. tests/gpu/test_engine_sync_and_backends_gpu.py runs the same steps under
+torch.cuda.set_sync_debug_mode("error").
 The negative control plants a .tolist() in the sampler and checks that the counter sees it.
 Top-k / top-p batches are left out of the strict check on purpose: on the CPU filter_logits takes
 a candidate shortcut that reads the host (free there; a GPU runs one sort and reads nothing).

@@ -11,11 +11,12 @@ where the reference ran paged decode, and the two round differently.
 import pytest
 import torch
 
-from conftest import tol
 from rlengine import LLM, SamplingParams
 from rlengine.config import preset
 from rlengine.engine.sampling_params import sample_seed
 from rlengine.model import Qwen3ForCausalLM
+
+from tests.support.tolerances import tol
 
 
 def _prompts(lengths, vocab=256, seed=0):

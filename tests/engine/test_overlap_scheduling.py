@@ -14,12 +14,13 @@ wall-clock span of the run.
 import pytest
 import torch
 
-from conftest import tol
 from rlengine import LLM, SamplingParams
 from rlengine.config import preset
 from rlengine.engine.cuda_graph import StaticReplay
 from rlengine.engine.model_runner import ModelRunner
 from rlengine.model import Qwen3ForCausalLM
+
+from tests.support.tolerances import tol
 
 MODEL = Qwen3ForCausalLM(preset("tiny"), seed=3)
 

@@ -26,18 +26,13 @@ from rlengine.engine.sampler import (Sampler, chunking, draw_keys, filter_logits
                                      make_sampling_batch, sequence_logprobs)
 from rlengine.engine.sampling_params import SamplingParams, sample_seed, splitmix64
 
+from tests.support.sampler_checks import assert_matches_distribution, chi2_critical, random_logits
+
 CPU = torch.device("cpu")
 # sample_seed(0, 1), sample_seed(1, 2), sample_seed(-1, 3): pinned so a change of the hash shows
 SAMPLE_SEED_VALUES = [6791897765849424158, 16171810823986729605, 4722581856061867462]
 
-Z_999 = 3.0902  # standard normal quantile at 1 - 1e-3
 N_DRAWS = 20_000
-
-
-def chi2_critical(dof: int, z: float = Z_999) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile with `dof` degrees of freedom."""
-    c = 2.0 / (9.0 * dof)
-    return dof * (1.0 - c + z * math.sqrt(c)) ** 3
 
 
 # chi-square 0.999 quantiles from standard tables (scipy.stats.chi2.ppf(0.999, dof))
@@ -51,10 +46,10 @@ def test_wilson_hilferty_matches_table():
 
 def test_chi_square_check_rejects_a_wrong_distribution():
     """Negative control: the check has the power to see a 20% temperature error at N_DRAWS."""
-    logits = _logits(20)
+    logits = random_logits(20)
     tokens, _ = _draw(logits, SamplingParams(temperature=1.0))
     with pytest.raises(AssertionError, match="chi2="):
-        _assert_matches(tokens, (logits / 1.2).softmax(-1))
+        assert_matches_distribution(tokens, (logits / 1.2).softmax(-1))
 
 
 def _draw(logits_V: torch.Tensor, params: SamplingParams, n: int = N_DRAWS, seeds=None, sampler_seed: int = 0):
@@ -65,56 +60,27 @@ def _draw(logits_V: torch.Tensor, params: SamplingParams, n: int = N_DRAWS, seed
     return sampler(logits_V.expand(n, -1).contiguous(), sb)
 
 
-def _assert_matches(tokens: torch.Tensor, target_V: torch.Tensor) -> None:
-    """Pearson chi-square of the drawn tokens against `target_V` (zeros must never be drawn)."""
-    counts = torch.bincount(tokens, minlength=target_V.numel()).double()
-    support = target_V > 0
-    assert counts[~support].sum() == 0, f"drew tokens outside the target's support: {counts[~support]}"
-    if support.sum() == 1:
-        return  # a single allowed token: the support check above is the whole test
-    expected = target_V[support].double() * tokens.numel()
-    observed = counts[support]
-    # pool the bins expected to get fewer than 5 draws into one (the chi-square approximation needs >= 5)
-    small = expected < 5
-    if small.any():
-        order = expected.argsort()
-        rest = small.clone()
-        if expected[small].sum() < 5:  # still too small: fold in the smallest regular bin
-            rest[order[int(small.sum())]] = True
-        expected = torch.cat([expected[~rest], expected[rest].sum()[None]])
-        observed = torch.cat([observed[~rest], observed[rest].sum()[None]])
-    stat = ((observed - expected) ** 2 / expected).sum().item()
-    dof = expected.numel() - 1
-    if dof == 0:
-        return
-    assert stat < chi2_critical(dof), f"chi2={stat:.1f} over {dof} dof exceeds {chi2_critical(dof):.1f}"
-
-
-def _logits(V: int, seed: int = 0, scale: float = 1.5) -> torch.Tensor:
-    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * scale
-
-
 def _masked_softmax(z: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return z.masked_fill(~keep, float("-inf")).softmax(-1)
 
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 def test_temperature_distribution(temperature):
-    logits = _logits(20)
+    logits = random_logits(20)
     tokens, logprobs = _draw(logits, SamplingParams(temperature=temperature))
-    _assert_matches(tokens, (logits / temperature).softmax(-1))
+    assert_matches_distribution(tokens, (logits / temperature).softmax(-1))
     # returned log-prob: log_softmax(logits / T) of the drawn token over the full vocabulary
     torch.testing.assert_close(logprobs, (logits / temperature).log_softmax(-1)[tokens])
 
 
 @pytest.mark.parametrize("top_k", [1, 3, 7])
 def test_top_k_distribution(top_k):
-    logits = _logits(30, seed=1)
+    logits = random_logits(30, seed=1)
     tokens, logprobs = _draw(logits, SamplingParams(temperature=0.8, top_k=top_k))
     z = logits / 0.8
     keep = torch.zeros(30, dtype=torch.bool)
     keep[z.topk(top_k).indices] = True
-    _assert_matches(tokens, _masked_softmax(z, keep))
+    assert_matches_distribution(tokens, _masked_softmax(z, keep))
     # the default ("raw") log-prob is taken before filtering, not the renormalised one
     torch.testing.assert_close(logprobs, z.log_softmax(-1)[tokens])
 
@@ -134,7 +100,7 @@ def test_top_p_distribution_at_the_nucleus_boundary(top_p, kept):
     tokens, _ = _draw(logits, SamplingParams(temperature=1.0, top_p=top_p))
     keep = torch.zeros(12, dtype=torch.bool)
     keep[NUCLEUS_PROBS.argsort(descending=True)[:kept]] = True
-    _assert_matches(tokens, _masked_softmax(logits, keep))
+    assert_matches_distribution(tokens, _masked_softmax(logits, keep))
 
 
 def test_top_p_uses_temperature_scaled_probs_and_follows_top_k():
@@ -147,26 +113,27 @@ def test_top_p_uses_temperature_scaled_probs_and_follows_top_k():
     tokens, _ = _draw(logits, SamplingParams(temperature=0.5, top_p=0.55))
     keep = torch.zeros(12, dtype=torch.bool)
     keep[order[0]] = True
-    _assert_matches(tokens, _masked_softmax(z, keep))
+    assert_matches_distribution(tokens, _masked_softmax(z, keep))
     # top-k first, then top-p on the renormalised top-k mass: [.4,.25,.15,.1]/.9 -> cumulative .44, .72, .89
     tokens, _ = _draw(logits, SamplingParams(temperature=1.0, top_k=4, top_p=0.8))
     keep = torch.zeros(12, dtype=torch.bool)
     keep[order[:3]] = True
-    _assert_matches(tokens, _masked_softmax(logits, keep))
+    assert_matches_distribution(tokens, _masked_softmax(logits, keep))
 
 
 def test_seeded_rows_sample_the_target_distribution():
     """Each row drawing from its own generator (the per-request seed path) samples the same distribution."""
-    logits = _logits(10, seed=4)
+    logits = random_logits(10, seed=4)
     n = 6000
     tokens, _ = _draw(logits, SamplingParams(temperature=1.0, top_k=6, seed=0), n=n, seeds=range(10_000, 10_000 + n))
     keep = torch.zeros(10, dtype=torch.bool)
     keep[logits.topk(6).indices] = True
-    _assert_matches(tokens, _masked_softmax(logits, keep))
+    assert_matches_distribution(tokens, _masked_softmax(logits, keep))
 
 
 def test_greedy_rows_take_the_argmax_in_any_batch():
-    logits = _logits(40, seed=5).expand(8, -1).clone() + torch.randn(8, 40, generator=torch.Generator().manual_seed(6))
+    logits = (random_logits(40, seed=5).expand(8, -1).clone()
+              + torch.randn(8, 40, generator=torch.Generator().manual_seed(6)))
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.5)
     sampler = Sampler(CPU)
     for mix in ([greedy] * 8, [greedy, sampled] * 4):
@@ -270,7 +237,7 @@ def _nucleus_keep(z_V: torch.Tensor, p: float) -> torch.Tensor:
 @pytest.mark.parametrize("filt", ["top_k", "top_p"])
 def test_processed_logprobs_are_log_softmax_over_the_kept_set(filt):
     """processed = log_softmax over the kept, temperature-scaled logits; raw unchanged; the same tokens."""
-    logits, T = _logits(40, seed=11, scale=1.0), 0.7
+    logits, T = random_logits(40, seed=11, scale=1.0), 0.7
     z = logits / T
     knobs, keep = (dict(top_k=6), _top_k_keep(z, 6)) if filt == "top_k" else (dict(top_p=0.8), _nucleus_keep(z, 0.8))
     assert 1 < keep.sum() < 40
@@ -286,14 +253,14 @@ def test_processed_logprobs_are_log_softmax_over_the_kept_set(filt):
 def test_processed_probabilities_sum_to_one_and_match_frequencies():
     """exp(processed log-prob) is the distribution sampled from: it sums to 1 over what is drawn, and the
     draws match it (chi-square). Every kept token has prob > 1e-2 here, so all of them are drawn."""
-    logits = _logits(30, seed=12)
+    logits = random_logits(30, seed=12)
     tokens, logprobs = _draw(logits, SamplingParams(temperature=0.9, top_k=8, top_p=0.9, logprobs_mode="processed"))
     target = torch.zeros(30)
     target[tokens] = logprobs.exp()  # one value per token (checked next)
     assert torch.equal(logprobs.exp(), target[tokens])
     assert target.sum().item() == pytest.approx(1.0, abs=1e-5)
     assert target[target > 0].min() > 1e-2
-    _assert_matches(tokens, target)
+    assert_matches_distribution(tokens, target)
 
 
 # One row per code path: raw/processed x no filter/top-k/top-p/both, greedy in both modes (with a filter
@@ -349,7 +316,7 @@ def test_sequence_logprobs_gradient_matches_a_masked_log_softmax(mode, knobs):
 
 
 def test_sequence_logprobs_of_a_filtered_out_target_is_minus_inf():
-    logits = _logits(20, seed=15)[None].requires_grad_()
+    logits = random_logits(20, seed=15)[None].requires_grad_()
     outside = logits.detach()[0].argsort()[:1]  # the least likely token: outside top_k=3
     got = sequence_logprobs(logits, outside, temperature=1.0, top_k=3, mode="processed")
     assert got.item() == float("-inf")
@@ -359,7 +326,7 @@ def test_sequence_logprobs_of_a_filtered_out_target_is_minus_inf():
 
 def test_processed_differs_from_raw_only_when_filtered():
     """Negative control: with top_k=3 the modes differ; without a filter they are bit-identical."""
-    logits = _logits(30, seed=16)
+    logits = random_logits(30, seed=16)
     raw, processed = (_draw(logits, SamplingParams(temperature=1.0, top_k=3, logprobs_mode=m), n=200)[1]
                       for m in ("raw", "processed"))
     assert ((processed - raw).abs() > 1e-3).all()
@@ -383,9 +350,9 @@ def test_race_matches_softmax_for_any_vocabulary(V, S):
     assert chunking(V)[0] == S and chunking(151936) == (128, 1187)  # Qwen3's vocabulary: no padding
     S, nc = chunking(V)
     assert nc * S >= V > (nc - 1) * S
-    logits = _logits(V, seed=V, scale=2.0)
+    logits = random_logits(V, seed=V, scale=2.0)
     tokens, _ = _draw(logits, SamplingParams(temperature=1.0))
-    _assert_matches(tokens, logits.softmax(-1))
+    assert_matches_distribution(tokens, logits.softmax(-1))
 
 
 def test_race_with_mass_in_one_chunk_and_excluded_neighbours():
@@ -397,25 +364,25 @@ def test_race_with_mass_in_one_chunk_and_excluded_neighbours():
     logits[S + 1:S + 4] = torch.tensor([0.0, 3.0, -2.0])  # inside chunk 1 only
     logits[0] = -30.0                                     # tiny but nonzero mass in chunk 0
     tokens, logprobs = _draw(logits, SamplingParams(temperature=1.0))
-    _assert_matches(tokens, logits.softmax(-1))
+    assert_matches_distribution(tokens, logits.softmax(-1))
     assert torch.isfinite(logprobs).all()
 
 
 def test_seeded_race_matches_softmax():
     """The hashed exponentials (one seed per draw, as seeded requests use) sample the target too."""
-    logits = _logits(50, seed=21)
+    logits = random_logits(50, seed=21)
     tokens, _ = _draw(logits, SamplingParams(temperature=0.8, seed=0), seeds=range(N_DRAWS))
-    _assert_matches(tokens, (logits / 0.8).softmax(-1))
+    assert_matches_distribution(tokens, (logits / 0.8).softmax(-1))
 
 
 def test_chi_square_catches_a_wrong_chunk_level(monkeypatch):
     """Negative control for the race: choosing the chunk by its largest logit instead of its mass (a
     plausible bug) skews the draw, and the chi-square check must see it."""
-    logits = _logits(64, seed=22)
+    logits = random_logits(64, seed=22)
     monkeypatch.setattr(sampler_mod, "chunk_log_mass", lambda x: x.amax(dim=-1))
     tokens, _ = _draw(logits, SamplingParams(temperature=1.0))
     with pytest.raises(AssertionError, match="chi2="):
-        _assert_matches(tokens, logits.softmax(-1))
+        assert_matches_distribution(tokens, logits.softmax(-1))
 
 
 def test_hashed_exponentials_are_unit_exponential():

@@ -1,4 +1,5 @@
-"""Text in, text out through the LLM API the way vLLM users write it, on the fixture checkpoint (text_ckpt.py).
+"""Text in, text out through the LLM API the way vLLM users write it, on the fixture checkpoint
+(tests/support/text_ckpt.py, the session fixture `text_checkpoint` of tests/conftest.py).
 
 References: one-shot tokenizer.decode for the detokenised text (and the same cut at a stop string),
 transformers' AutoTokenizer.apply_chat_template ids (and its Qwen3ForCausalLM's greedy generate) for
@@ -18,13 +19,14 @@ from rlengine.engine.detokenizer import Detokenizer
 from rlengine.model.factory import build_model
 from rlengine.model.loader import CheckpointError
 from rlengine.model.tokenizer import Tokenizer
-from text_ckpt import build_text_checkpoint, checkpoint_with_eos, greedy_ids, text_checkpoint  # noqa: F401
+
+from tests.support.text_ckpt import build_text_checkpoint, checkpoint_with_eos
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
-def llm(text_checkpoint):  # noqa: F811
+def llm(text_checkpoint):
     return LLM(model=str(text_checkpoint.path), max_num_seqs=8)
 
 
@@ -81,7 +83,7 @@ def test_stop_string_cuts_the_text(llm, include):
     assert stop in dec(out.token_ids) and stop not in dec(out.token_ids[:-1])
 
 
-def test_async_scheduling_gives_the_same_text_stops_and_top_logprobs(llm, text_checkpoint):  # noqa: F811
+def test_async_scheduling_gives_the_same_text_stops_and_top_logprobs(llm, text_checkpoint):
     """Overlap: a stop string found at step t finishes a sample whose step t + 1 is already launched."""
     prompts = ["Hello, my name is", "The capital of France is", "日本"]
     free = llm.generate(prompts, GREEDY)
@@ -103,7 +105,7 @@ def test_stop_strings_need_the_text():
     assert SamplingParams(stop="ab").stop == ["ab"]
 
 
-def test_chat_matches_transformers(llm, text_checkpoint):  # noqa: F811
+def test_chat_matches_transformers(llm, text_checkpoint):
     import transformers
     ref_tok = transformers.AutoTokenizer.from_pretrained(text_checkpoint.path)
     conversations = [[{"role": "user", "content": "Hello, my name is"}],
@@ -125,7 +127,7 @@ def test_chat_matches_transformers(llm, text_checkpoint):  # noqa: F811
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["im_end", "endoftext"])
-def test_generation_stops_at_either_eos_id(text_checkpoint, tmp_path, which):  # noqa: F811
+def test_generation_stops_at_either_eos_id(text_checkpoint, tmp_path, which):
     eos = text_checkpoint.eos_token_ids[which]
     tok = Tokenizer.from_pretrained(text_checkpoint.path)
     prompt = tok.encode("The capital of France is")
@@ -167,7 +169,7 @@ def test_top_logprobs_against_the_plain_forward(llm):
         assert tok in entry and 2 <= len(entry) <= 3
 
 
-def test_incremental_detokenisation_equals_one_shot_decode(text_checkpoint):  # noqa: F811
+def test_incremental_detokenisation_equals_one_shot_decode(text_checkpoint):
     tok = Tokenizer.from_pretrained(text_checkpoint.path)
     rng = random.Random(0)
     multibyte = tok.encode("日本 café naïve 東京 crème brûlée")
@@ -187,7 +189,7 @@ def test_incremental_detokenisation_equals_one_shot_decode(text_checkpoint):  # 
             assert d.text == tok.decode(ids, skip_special_tokens=skip), (ids, prompt)
 
 
-def test_string_prompt_without_tokenizer_is_a_clear_error(text_checkpoint):  # noqa: F811
+def test_string_prompt_without_tokenizer_is_a_clear_error(text_checkpoint):
     module = build_model(str(text_checkpoint.path), device="cpu")
     bare = LLM(module)
     assert bare.tokenizer is None
@@ -201,7 +203,7 @@ def test_string_prompt_without_tokenizer_is_a_clear_error(text_checkpoint):  # n
     assert with_tok.generate(["Hello"], GREEDY)[0].outputs[0].text is not None
 
 
-def test_missing_tokenizer_files_fail_at_construction(text_checkpoint, tmp_path):  # noqa: F811
+def test_missing_tokenizer_files_fail_at_construction(text_checkpoint, tmp_path):
     import shutil
 
     dst = tmp_path / "broken"
@@ -212,7 +214,7 @@ def test_missing_tokenizer_files_fail_at_construction(text_checkpoint, tmp_path)
     assert main(["generate", "--model", str(dst), "--prompt", "Hello"]) == 2
 
 
-def test_cli_generate_prints_the_text(llm, text_checkpoint, capsys):  # noqa: F811
+def test_cli_generate_prints_the_text(llm, text_checkpoint, capsys):
     path = str(text_checkpoint.path)
     assert main(["generate", "--model", path, "--prompt", "Hello, my name is", "--max-tokens", "12"]) == 0
     want = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
@@ -224,7 +226,7 @@ def test_cli_generate_prints_the_text(llm, text_checkpoint, capsys):  # noqa: F8
     assert capsys.readouterr().out == want + "\n"
 
 
-def test_cli_generate_user_errors(text_checkpoint, tmp_path, capsys):  # noqa: F811
+def test_cli_generate_user_errors(text_checkpoint, tmp_path, capsys):
     base = build_text_checkpoint(tmp_path / "base", chat_template=None)
     assert main(["generate", "--model", str(base.path), "--chat", "--prompt", "Hello"]) == 2
     assert "no chat template" in capsys.readouterr().err

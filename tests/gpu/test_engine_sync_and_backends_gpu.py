@@ -1,4 +1,5 @@
-"""GPU tier of the engine's host-sync and backend work (issue 11); deselected without CUDA (conftest.py).
+"""GPU tier of the engine: no host sync in decode steps, pinned buffers, attention backends, the sampler on the
+device and overlap scheduling. Deselected without CUDA (tests/conftest.py).
 
 - Decode steps make no host sync but the one output read: they run under
   torch.cuda.set_sync_debug_mode("error"), which raises on any synchronising CUDA call, with the
@@ -23,7 +24,8 @@ from rlengine.engine.model_runner import ModelRunner
 from rlengine.engine.sampler import Sampler, make_sampling_batch
 from rlengine.engine.sampling_params import sample_seed
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from test_sampler import _assert_matches, _logits
+
+from tests.support.sampler_checks import assert_matches_distribution, random_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -106,14 +108,14 @@ def test_seeded_groups_equal_single_requests_on_gpu(model):
 @pytest.mark.parametrize("seeded", [False, True])
 def test_race_matches_softmax_on_gpu(seeded):
     V, n = 1000, 20_000
-    logits = _logits(V, seed=3, scale=2.0)
+    logits = random_logits(V, seed=3, scale=2.0)
     params = SamplingParams(temperature=1.0, top_k=50, seed=0 if seeded else None)
     sb = make_sampling_batch([params] * n, device="cuda", seed_keys=list(range(n)) if seeded else None,
                              vocab_size=V)
     tokens, _ = Sampler(torch.device("cuda"))(logits.cuda().expand(n, -1).contiguous(), sb)
     keep = torch.zeros(V, dtype=torch.bool)
     keep[logits.topk(50).indices] = True
-    _assert_matches(tokens.cpu(), logits.masked_fill(~keep, float("-inf")).softmax(-1))
+    assert_matches_distribution(tokens.cpu(), logits.masked_fill(~keep, float("-inf")).softmax(-1))
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graphs"])

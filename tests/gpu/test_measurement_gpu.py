@@ -1,6 +1,6 @@
 """GPU tier of the measurement layer: real CUDA events with the L2 flush, CUDA-graph timing, NVTX,
 the profiler's CUDA activity and NVML on a real device. Deselected without a CUDA device
-(conftest.py); tools/gpu_check.sh runs them. Nothing asserts on timings."""
+(tests/conftest.py); tools/gpu_check.sh runs them. Nothing asserts on timings."""
 
 import json
 

@@ -1,11 +1,12 @@
 """GPU tier: the engine, the model's fast path and the CUDA ops on a real device, bf16 included.
 
-Deselected automatically without a CUDA device (conftest.py). tools/gpu_check.sh runs them with
-the Triton interpreter off. The Triton kernels' oracle tests are in tests/test_k13_gpu_kernels.py.
-bf16 through the engine is checked two ways that do not depend on bf16 rounding luck: CUDA-graph
-decode against eager decode at the same (bucket-sized) batch, which must agree token for token; and
-the engine's returned log-probs against transformers scoring the same token sequences
-(teacher-forced), within a tolerance derived below.
+Deselected automatically without a CUDA device (tests/conftest.py). tools/gpu_check.sh runs them with
+the Triton interpreter off. The Triton kernels' oracle tests are in tests/gpu/test_triton_kernels_gpu.py.
+bf16 through the engine is checked three ways that do not depend on bf16 rounding luck: CUDA-graph
+decode against eager decode at the same (bucket-sized) batch, which must agree token for token; the
+engine's returned log-probs against transformers scoring the same token sequences (teacher-forced),
+within a tolerance derived below; and against the learner's log-probs through the fused log-prob
+kernel (the bound of tests/support/engine_learner_logprobs.py).
 """
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 from rlengine import LLM, SamplingParams
 from rlengine.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
+
+from tests.support.engine_learner_logprobs import MAX_LOW, MEAN_LOW, learner_minus_engine, rollout_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -92,7 +95,7 @@ STORE_CASES = [
 
 @pytest.mark.parametrize("dtype,Hkv,D,offset", STORE_CASES)
 def test_cuda_store_kvcache_matches_index_copy(dtype, Hkv, D, offset):
-    from conftest import store_kvcache_ref
+    from tests.support.kv_cache_ref import store_kvcache_ref
     from rlengine import _ext
 
     assert _ext.has_cuda_op("store_kvcache"), "the GPU build should include csrc/cuda/kv_cache.cu"
@@ -147,7 +150,7 @@ def test_bf16_engine_logprobs_match_transformers_teacher_forced(kind, tmp_path):
     <= 2^-9 |z| ~ 0.02; with the logits' own rounding, both lse and z_y, and ~4 roundings per layer
     over 3 layers, max |dlogp| <= 0.25 and mean <= 0.03 (the same comparison on the CPU in bf16
     measured max 0.10, mean 0.014). A one-position misalignment or a wrong temperature is O(1)."""
-    from hf_models import DENSE_CONFIGS, MOE_CONFIGS, make_hf_model, save_hf_model
+    from tests.support.hf_models import DENSE_CONFIGS, MOE_CONFIGS, make_hf_model, save_hf_model
     from rlengine.model import load_pretrained
 
     overrides = DENSE_CONFIGS["dense_gqa2_untied"] if kind == "dense" else MOE_CONFIGS["moe_top2_norm"]
@@ -171,3 +174,12 @@ def test_bf16_engine_logprobs_match_transformers_teacher_forced(kind, tmp_path):
         errs.append((torch.tensor(out.outputs[0].logprobs, device="cuda") - want).abs())
     err = torch.cat(errs)
     assert err.max() <= 0.25 and err.mean() <= 0.03, f"max {err.max():.3g}, mean {err.mean():.3g}"
+
+
+def test_bf16_engine_logprobs_match_the_learner():
+    """Triton engine path + fused log-prob kernel in bf16, through CUDA graphs (tests/rl/test_logprob_parity.py
+    runs the same comparison on the CPU)."""
+    model = Qwen3ForCausalLM(preset("qwen3-30m"), seed=5, dtype=torch.bfloat16, device="cuda")
+    batch = rollout_batch(model, G=4, prompts=8, max_tokens=16, backend="triton").to("cuda")
+    d = learner_minus_engine(model, batch, fused=True)
+    assert d.max() < MAX_LOW and d.mean() < MEAN_LOW, (d.max().item(), d.mean().item())

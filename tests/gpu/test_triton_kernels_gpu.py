@@ -1,12 +1,13 @@
 """GPU tier for the Triton kernels: each against its oracle, compiled for the device, bf16 included.
 
-Deselected without a CUDA device (conftest.py); tools/gpu_check.sh runs it. The checks and their
-tolerances live in tests/kernel_checks.py, where each bound is derived; tests/test_k13_injected_bugs.py
-shows under the interpreter that those same checks fail on planted bugs. Sections: paged decode
-(the whole CPU case list, needles, long context with the engine's workspace, > 2^31-element cache),
-fused log-prob (bf16 and fp32 configs, chunked backward, determinism, > 2^31-element LM head),
-fused MoE (Qwen3-30B-A3B expert shape at T = 1, 64, 2048; alignment kernel, in a CUDA graph),
-fused norms (direct bf16 parity, the KV store folded into q/k-norm+RoPE, > 2^31-element activations).
+Deselected without a CUDA device (tests/conftest.py); tools/gpu_check.sh runs it. The checks and their
+tolerances live in tests/support/kernel_checks.py, where each bound is derived;
+tests/kernels/test_planted_bugs.py shows under the interpreter that those same checks fail on planted
+bugs. Sections: paged decode (the whole CPU case list, needles, long context with the engine's
+workspace, > 2^31-element cache), fused log-prob (bf16 and fp32 configs, chunked backward,
+determinism, > 2^31-element LM head), fused MoE (Qwen3-30B-A3B expert shape at T = 1, 64, 2048; bf16
+with no host sync; alignment kernel, in a CUDA graph), fused norms (direct bf16 parity, the KV store
+folded into q/k-norm+RoPE, > 2^31-element activations).
 """
 
 from __future__ import annotations
@@ -16,17 +17,19 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import store_kvcache_ref
-from kernel_checks import (MOE_REL_NORM, assert_decode_close, assert_logprob_close, assert_rel_norm,
-                           check_logprob, sdpa_fp64)
-from test_fused_moe import ALIGN_CASES, make_routing
-from test_paged_decode import TRITON_CASES, contiguous_sdpa, make_batch, needle_case
 
 from rlengine.kernels import fused_moe as fm
 from rlengine.kernels import fused_norm as fn
 from rlengine.kernels import paged_decode as pd
 from rlengine.kernels.fused_logprob import LogProbConfig, fused_logprob, fused_logprob_ref
 from rlengine.kernels.moe_align import KERNEL_STATE, moe_align, moe_align_ref
+
+from tests.support.kernel_checks import (MOE_REL_NORM, assert_decode_close, assert_logprob_close, assert_rel_norm,
+                                         check_logprob, sdpa_fp64)
+from tests.support.kv_cache_ref import store_kvcache_ref
+from tests.support.moe_cases import ALIGN_CASES, make_inputs, make_routing
+from tests.support.paged_decode_cases import TRITON_CASES, contiguous_sdpa, make_batch, needle_case
+from tests.support.tolerances import tol
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -180,6 +183,26 @@ def test_fused_moe_bf16_qwen3_30b_a3b_shape(T, block_m):
     assert_rel_norm(y.float(), y_ref.float(), MOE_REL_NORM, "y")
     for name, g, g_ref in zip(("x", "w13", "w2", "topk_weights"), grads, grads_ref):
         assert_rel_norm(g.float(), g_ref.float(), MOE_REL_NORM, f"grad {name}")
+
+
+def test_gpu_bf16_no_host_sync():
+    """bf16 on the GPU vs the reference, with CUDA sync debug mode making any sync an error."""
+    (x, w13, w2, tw), ids, dy = make_inputs(T=300, C=256, F=128, E=16, K=4, dtype=torch.bfloat16, seed=4)
+    leaves = [t.detach().cuda().requires_grad_() for t in (x, w13, w2, tw)]
+    ids, dy = ids.cuda(), dy.cuda()
+    fm.fused_moe(*leaves, ids)  # compile outside the sync check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = fm.fused_moe(*leaves, ids)
+        grads = torch.autograd.grad(y, leaves, dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    y_ref = fm.fused_moe_ref(*leaves, ids)
+    grads_ref = torch.autograd.grad(y_ref, leaves, dy)
+    torch.testing.assert_close(y, y_ref, **tol(torch.bfloat16))
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, **tol(torch.bfloat16))
 
 
 GPU_ALIGN_CASES = ALIGN_CASES + [("largest_kernel_tile_N8192", 1024, 128, 8, 16, None)]

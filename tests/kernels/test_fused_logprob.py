@@ -11,9 +11,11 @@ import math
 
 import pytest
 import torch
-from conftest import tol
+
 from rlengine.kernels import fused_logprob as flp
 from rlengine.kernels.fused_logprob import LogProbConfig, fused_logprob, fused_logprob_ref
+
+from tests.support.tolerances import tol
 
 
 def _cfg(num_splits: int, chunk_elems: int = 2**26, max_chunk_tokens: int = 16384,

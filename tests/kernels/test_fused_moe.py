@@ -1,41 +1,23 @@
 """Fused MoE Triton kernels against the plain-torch loop over experts (fused_moe_ref).
 
-Runs on the CPU through TRITON_INTERPRET=1 (set in conftest.py) in fp32 and fp16 with tiny
+Runs on the CPU through TRITON_INTERPRET=1 (set in tests/conftest.py) in fp32 and fp16 with tiny
 shapes; a pinned 16-wide config makes those shapes cross tile and block boundaries. Forward
 and the gradients of x, w13, w2 and topk_weights are checked with one shared upstream grad.
 """
 
-import math
-
 import pytest
 import torch
-from conftest import tol
+
 from rlengine.kernels import fused_moe as fm
 from rlengine.kernels import moe_align as ma
 from rlengine.kernels.moe_align import max_padded_rows, moe_align, moe_align_block_size, moe_align_ref
 
+from tests.support.moe_cases import ALIGN_CASES, make_inputs, make_routing
+from tests.support.tolerances import tol
+
+
 SMALL = fm.MoEConfig(block_m=16, block_n=16, block_k=16, num_warps=4, wgrad_block=16, wgrad_block_r=16)
 DTYPES = [torch.float32, torch.float16]
-
-
-def make_routing(T, E, K, gen, experts=None):
-    """Distinct top-K ids per token drawn from `experts` (default all E), softmax weights."""
-    pool = torch.tensor(experts if experts is not None else range(E))
-    ids = pool[torch.rand(T, len(pool), generator=gen).argsort(dim=1)[:, :K]].contiguous()
-    weights = torch.softmax(torch.randn(T, K, generator=gen), dim=1)
-    return weights, ids
-
-
-def make_inputs(T, C, F, E, K, dtype, seed, experts=None, ids=None):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, C, generator=gen)
-    w13 = torch.randn(E, 2 * F, C, generator=gen) / math.sqrt(C)
-    w2 = torch.randn(E, C, F, generator=gen) / math.sqrt(F)
-    tw, rand_ids = make_routing(T, E, K, gen, experts)
-    ids = rand_ids if ids is None else ids
-    leaves = [t.to(dtype).requires_grad_() for t in (x, w13, w2, tw)]
-    dy = torch.randn(T, C, generator=gen).to(dtype)
-    return leaves, ids, dy
 
 
 def check_against_ref(leaves, ids, dy):
@@ -150,19 +132,6 @@ def test_align_invariants(block_m, route, align):
     assert bool((expert_ids[int(ntpp) // block_m:] == -1).all())
 
 
-ALIGN_CASES = [
-    # (id, T, E, K, block_m, experts routed to or None): the path each one covers
-    ("decode_T1_E128_K8", 1, 128, 8, 16, None),
-    ("decode_T64_E128_K8_bm16", 64, 128, 8, 16, None),
-    ("train_T2048_E128_K8_bm64_N16384_torch_path", 2048, 128, 8, 64, None),
-    ("N_exactly_pow2_tile_full", 32, 8, 2, 16, None),
-    ("single_pair", 1, 1, 1, 16, None),
-    ("prime_E_K_eq_E", 9, 7, 7, 4, None),
-    ("empty_experts_bm32", 50, 11, 2, 32, [2, 3, 10]),
-    ("tile_N1024_bm64", 128, 64, 8, 64, None),  # N_BLOCK 8192 runs on the GPU tier (slow to interpret)
-]
-
-
 @pytest.mark.parametrize("case", ALIGN_CASES, ids=[c[0] for c in ALIGN_CASES])
 def test_align_kernel_equals_torch_version(case):
     """The one-program kernel against the torch version, element for element (padding, unused
@@ -258,24 +227,3 @@ def test_bad_config():
     (x, w13, _, _), ids, _ = make_inputs(T=4, C=16, F=16, E=3, K=2, dtype=torch.float32, seed=2)
     with pytest.raises(ValueError, match="align.block_m"):
         fm.gate_up(x, w13, moe_align(ids, 3, 32), SMALL, save_preact=False)
-
-
-@pytest.mark.gpu
-def test_gpu_bf16_no_host_sync():
-    """bf16 on the GPU vs the reference, with CUDA sync debug mode making any sync an error."""
-    (x, w13, w2, tw), ids, dy = make_inputs(T=300, C=256, F=128, E=16, K=4, dtype=torch.bfloat16, seed=4)
-    leaves = [t.detach().cuda().requires_grad_() for t in (x, w13, w2, tw)]
-    ids, dy = ids.cuda(), dy.cuda()
-    fm.fused_moe(*leaves, ids)  # compile outside the sync check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        y = fm.fused_moe(*leaves, ids)
-        grads = torch.autograd.grad(y, leaves, dy)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    y_ref = fm.fused_moe_ref(*leaves, ids)
-    grads_ref = torch.autograd.grad(y_ref, leaves, dy)
-    torch.testing.assert_close(y, y_ref, **tol(torch.bfloat16))
-    for g, g_ref in zip(grads, grads_ref):
-        torch.testing.assert_close(g, g_ref, **tol(torch.bfloat16))

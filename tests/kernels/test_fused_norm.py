@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tol
 from rlengine.kernels import fused_norm as fn
 from rlengine.model.layers import apply_rope, rms_norm_ref
+
+from tests.support.tolerances import tol
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -74,7 +75,7 @@ def test_qk_norm_rope(dtype, H, Hkv, D):
 @pytest.mark.parametrize("H,Hkv,D", [(4, 2, 16), (6, 1, 24)])
 def test_qk_rope_without_norm(dtype, H, Hkv, D):
     """q_w = k_w = None (Qwen2, Llama: NORM=False): RoPE only; with the kv_cache store too."""
-    from conftest import store_kvcache_ref
+    from tests.support.kv_cache_ref import store_kvcache_ref
 
     g = torch.Generator().manual_seed(H * 10 + D)
     T, max_pos, num_blocks, P = 5, 64, 3, 4
@@ -99,7 +100,7 @@ def test_qk_rope_without_norm(dtype, H, Hkv, D):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_qk_norm_rope_stores_kv_cache_in_the_same_launch(dtype):
     """kv_cache=: q and k as without it, and the caches as store_kvcache would leave them (slot -1 skipped)."""
-    from conftest import store_kvcache_ref
+    from tests.support.kv_cache_ref import store_kvcache_ref
 
     g = torch.Generator().manual_seed(2)
     T, H, Hkv, D, num_blocks, P = 6, 4, 2, 16, 5, 4
@@ -154,16 +155,15 @@ def test_model_fast_path_with_triton_kernels_matches_plain_forward(kind):
 
 def test_engine_greedy_with_triton_fast_path_matches_transformers(monkeypatch, tmp_path):
     """The engine on the GPU kernel set end to end (prefill + paged decode), under the interpreter."""
-    from hf_models import DENSE_CONFIGS, make_hf_model, save_hf_model
+    from tests.support.hf_models import DENSE_CONFIGS, hf_greedy, make_hf_model, random_prompts, save_hf_model
     from rlengine import LLM, SamplingParams
     from rlengine.model import load_pretrained, qwen3
-    from test_engine_parity import _hf_greedy, _prompts
 
     hf = make_hf_model("dense", DENSE_CONFIGS["dense_gqa2_untied"], layers=2, seed=4)
     path = save_hf_model(hf, tmp_path / "ckpt")
     monkeypatch.setattr(qwen3, "fused_ops_for", lambda device: qwen3.triton_ops())
-    prompts = _prompts(4, hf.config.vocab_size, 30, seed=6)
+    prompts = random_prompts(4, hf.config.vocab_size, 30, seed=6)
     outs = LLM(load_pretrained(path), max_num_seqs=3, attention_backend="cpp", block_size=8).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 5)
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 5)

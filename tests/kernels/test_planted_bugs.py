@@ -1,9 +1,10 @@
-"""Negative controls for the GPU tier's checks: each planted kernel bug must fail them (issue 13).
+"""Negative controls for the GPU tier's checks: each planted kernel bug must fail them, so a check that
+passes on a GPU is known to be able to fail.
 
 A bug is planted by loading a copy of the kernel module whose source has one line changed (the
 original file is untouched); the copy runs under TRITON_INTERPRET=1 in fp32 and fp16, through the
-same check functions (tests/kernel_checks.py) and the same kind of inputs the GPU tests use. Each
-test first shows the unchanged kernel passes, then that the mutant fails:
+same check functions (tests/support/kernel_checks.py) and the same kind of inputs the GPU tests use.
+Each test first shows the unchanged kernel passes, then that the mutant fails:
   - fused log-prob forward leaves one vocab tile out of the log-sum-exp (the combine step drops
     split 0, one tile wide; the target logits stay complete, so only the LSE is wrong);
   - fused log-prob backward drops the entropy term of d(logits);
@@ -20,10 +21,11 @@ import sys
 
 import pytest
 import torch
-from kernel_checks import assert_decode_close, check_logprob
-from test_paged_decode import contiguous_sdpa, needle_case
 
 from rlengine.kernels import fused_logprob, paged_decode
+
+from tests.support.kernel_checks import assert_decode_close, check_logprob
+from tests.support.paged_decode_cases import contiguous_sdpa, needle_case
 
 DTYPES = [torch.float32, torch.float16]
 

@@ -1,6 +1,6 @@
 """Qwen2 / Qwen2.5 and Llama 3.x through the shared decoder, against Hugging Face transformers.
 
-Random tiny configs built offline with transformers' own classes (tests/hf_models.py ARCH_CONFIGS:
+Random tiny configs built offline with transformers' own classes (tests/support/hf_models.py ARCH_CONFIGS:
 Qwen2 with non-zero q/k/v biases, tied and untied; Llama 3 with the llama3 RoPE rule and a small
 original_max_position_embeddings so that every band of the rule changes some frequency, tied and
 untied, head_dim from the config or hidden/heads) are saved with save_pretrained and loaded by
@@ -16,14 +16,14 @@ import json
 import pytest
 import torch
 
-from hf_models import ARCH_CONFIGS, make_hf_arch_model, save_hf_model
 from rlengine import LLM, SamplingParams
 from rlengine.config import ConfigError, ModelConfig, preset
 from rlengine.model import load_pretrained, qwen3, save_pretrained
 from rlengine.model.attention import PackedCausal
 from rlengine.model.layers import RotaryEmbedding
 from rlengine.model.loader import _hf_tensors
-from test_engine_parity import _hf_greedy, _prompts
+
+from tests.support.hf_models import ARCH_CONFIGS, hf_greedy, make_hf_arch_model, random_prompts, save_hf_model
 
 NAMES = list(ARCH_CONFIGS)
 
@@ -110,14 +110,14 @@ BACKENDS = [("torch", 6, 48, 6), ("cpp", 6, 48, 6), ("triton", 2, 9, 3)]
 @pytest.mark.parametrize("name", NAMES)
 def test_engine_greedy_matches_transformers(checkpoints, name, backend, num_prompts, max_len, max_new):
     hf, path = checkpoints[name]
-    prompts = _prompts(num_prompts, hf.config.vocab_size, max_len, seed=len(name))
+    prompts = random_prompts(num_prompts, hf.config.vocab_size, max_len, seed=len(name))
     llm = LLM(load_pretrained(path), max_num_seqs=max(2, num_prompts // 2), attention_backend=backend,
               block_size=8 if backend != "triton" else 4)
     assert llm.attention_backend == backend
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         toks = out.outputs[0].token_ids
-        assert toks == _hf_greedy(hf, prompt, max_new), f"{name} prompt of length {len(prompt)}"
+        assert toks == hf_greedy(hf, prompt, max_new), f"{name} prompt of length {len(prompt)}"
         # the returned log-probs are log_softmax of transformers' logits (greedy tokens alone can
         # survive a wrong RoPE on a random tiny model; these cannot)
         with torch.no_grad():

@@ -15,7 +15,8 @@ from rlengine.config import ConfigError
 from rlengine.model.chat_template import ChatTemplateError
 from rlengine.model.loader import CheckpointError
 from rlengine.model.tokenizer import Tokenizer
-from text_ckpt import CHAT_TEMPLATE, text_checkpoint  # noqa: F401 - the session fixture
+
+from tests.support.text_ckpt import CHAT_TEMPLATE
 
 
 CONVERSATIONS = {
@@ -73,7 +74,7 @@ def _tokenizer_dir(src, dst, **config_changes):
 @pytest.mark.parametrize("template", list(TEMPLATES))
 @pytest.mark.parametrize("conversation", list(CONVERSATIONS))
 @pytest.mark.parametrize("add_generation_prompt", [True, False], ids=["gen", "nogen"])
-def test_rendering_and_ids_match_transformers(text_checkpoint, tmp_path, template, conversation,  # noqa: F811
+def test_rendering_and_ids_match_transformers(text_checkpoint, tmp_path, template, conversation,
                                              add_generation_prompt):
     path = _tokenizer_dir(text_checkpoint.path, tmp_path / "tok", chat_template=TEMPLATES[template])
     ours, ref = Tokenizer.from_pretrained(path), transformers.AutoTokenizer.from_pretrained(path)
@@ -87,7 +88,7 @@ def test_rendering_and_ids_match_transformers(text_checkpoint, tmp_path, templat
     assert ours.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=True, **kw) == want_ids
 
 
-def test_tool_schemas_keep_their_nulls(text_checkpoint, tmp_path):  # noqa: F811
+def test_tool_schemas_keep_their_nulls(text_checkpoint, tmp_path):
     """`tools | tojson` renders a schema's "default": null as transformers does (nothing is dropped from tools)."""
     path = _tokenizer_dir(text_checkpoint.path, tmp_path / "tools",
                           chat_template="{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -99,7 +100,7 @@ def test_tool_schemas_keep_their_nulls(text_checkpoint, tmp_path):  # noqa: F811
     assert '"default": null' in want and ours.apply_chat_template(msgs, tools=tools) == want
 
 
-def test_template_sources_follow_transformers_priority(text_checkpoint, tmp_path):  # noqa: F811
+def test_template_sources_follow_transformers_priority(text_checkpoint, tmp_path):
     """A list of {name, template} in the config; chat_template.jinja over the config's; named templates."""
     msgs = CONVERSATIONS["system+user"]
     listed = _tokenizer_dir(text_checkpoint.path, tmp_path / "listed",
@@ -116,7 +117,7 @@ def test_template_sources_follow_transformers_priority(text_checkpoint, tmp_path
     assert ours.chat_template == PLAIN == ref.chat_template
 
 
-def test_special_tokens_and_eos_ids(text_checkpoint):  # noqa: F811
+def test_special_tokens_and_eos_ids(text_checkpoint):
     tok = Tokenizer.from_pretrained(text_checkpoint.path)
     ref = transformers.AutoTokenizer.from_pretrained(text_checkpoint.path)
     assert tok.eos_token_id == ref.eos_token_id == tok.hf.token_to_id("<|im_end|>")  # from an AddedToken dict
@@ -127,7 +128,7 @@ def test_special_tokens_and_eos_ids(text_checkpoint):  # noqa: F811
     assert tok.decode(tok.encode(text)) == text
 
 
-def test_pad_falls_back_to_eos_and_a_bare_tokenizer_json_loads(text_checkpoint, tmp_path):  # noqa: F811
+def test_pad_falls_back_to_eos_and_a_bare_tokenizer_json_loads(text_checkpoint, tmp_path):
     path = _tokenizer_dir(text_checkpoint.path, tmp_path / "nopad", pad_token=None)
     tok = Tokenizer.from_pretrained(path)
     assert tok.pad_token_id == tok.eos_token_id == 2
@@ -135,7 +136,7 @@ def test_pad_falls_back_to_eos_and_a_bare_tokenizer_json_loads(text_checkpoint, 
     assert bare.eos_token_id == 2 and bare.chat_template is None
 
 
-def test_no_template_is_a_clear_error(text_checkpoint, tmp_path):  # noqa: F811
+def test_no_template_is_a_clear_error(text_checkpoint, tmp_path):
     path = _tokenizer_dir(text_checkpoint.path, tmp_path / "base", chat_template=None)
     tok = Tokenizer.from_pretrained(path)
     assert tok.chat_template is None
@@ -146,7 +147,7 @@ def test_no_template_is_a_clear_error(text_checkpoint, tmp_path):  # noqa: F811
         Tokenizer.builtin().apply_chat_template(CONVERSATIONS["user-only"])
 
 
-def test_template_errors(text_checkpoint, tmp_path):  # noqa: F811
+def test_template_errors(text_checkpoint, tmp_path):
     tok = Tokenizer.from_pretrained(text_checkpoint.path)
     with pytest.raises(ChatTemplateError, match="roles must be user or assistant"):  # raise_exception()
         tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])
@@ -160,7 +161,7 @@ def test_template_errors(text_checkpoint, tmp_path):  # noqa: F811
 
 @pytest.mark.parametrize("case", ["no-tokenizer-json", "sentencepiece-only", "bad-json", "bad-template-type",
                                   "eos-not-in-vocab", "bad-token-type", "bad-generation-config"])
-def test_broken_tokenizer_files_name_the_file(text_checkpoint, tmp_path, case):  # noqa: F811
+def test_broken_tokenizer_files_name_the_file(text_checkpoint, tmp_path, case):
     path = _tokenizer_dir(text_checkpoint.path, tmp_path / case)
     culprit = {"no-tokenizer-json": "tokenizer.json", "sentencepiece-only": "tokenizer.json",
                "bad-json": "tokenizer.json", "bad-generation-config": "generation_config.json"}.get(

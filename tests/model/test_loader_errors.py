@@ -5,10 +5,11 @@ import json
 import pytest
 from safetensors.torch import save_file
 
-from hf_models import DENSE_CONFIGS, make_hf_model, save_hf_model
 from rlengine.config import ConfigError, ModelConfig, preset
 from rlengine.model import CheckpointError, load_pretrained
 from rlengine.model.tokenizer import Tokenizer
+
+from tests.support.hf_models import DENSE_CONFIGS, make_hf_model, save_hf_model
 
 
 @pytest.fixture()

@@ -9,8 +9,9 @@ norm_topk_prob, top-k 1 and > 1, and sparse-step / mlp_only layouts.
 import pytest
 import torch
 
-from hf_models import all_configs, make_hf_model, save_hf_model
 from rlengine.model import load_pretrained, save_pretrained
+
+from tests.support.hf_models import all_configs, make_hf_model, save_hf_model
 
 CASES = all_configs()
 

@@ -18,7 +18,7 @@ import torch
 from rlengine.rl.config import load_config, resume_config
 from rlengine.rl.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--warmstart.steps", "20", "--train.prompts_per_step", "4", "--train.group_size", "4",
          "--task.num_eval", "8", "--task.num_train", "50", "--eval.every", "1", "--run.progress", "false",
          "--model.dtype", "float64"]
@@ -47,16 +47,15 @@ def _same_run(a: list[dict], b: list[dict]) -> None:
             assert abs(x["actor_grad_norm"] - y["actor_grad_norm"]) <= 1e-5 * y["actor_grad_norm"]
 
 
-def test_gradients_and_updates_equal_one_process():
+def test_gradients_and_updates_equal_one_process(tmp_path):
     """DDP and FSDP, GRPO (token/seq mean, KL) and PPO with a critic, unequal micro-batches per rank:
     pre-clip gradients and the parameters after two updates equal the 1-rank full batch's (1e-5)."""
-    out = ROOT / "tests" / "dist" / ".grad_equivalence.json"
+    out = tmp_path / "grad_equivalence.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                        "tests/dist/grad_equivalence.py", str(out)], cwd=ROOT, env=_env(), capture_output=True,
+                        "tests/support/grad_equivalence.py", str(out)], cwd=ROOT, env=_env(), capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    out.unlink()
     for name, errs in res.items():
         if isinstance(errs, dict):
             assert max(errs.values()) < 1e-5, (name, errs)

@@ -16,7 +16,8 @@ from rlengine.rl.config import load_config
 from rlengine.rl.rewards import final_answer_format, get_reward
 from rlengine.rl.tasks import build_task, gsm8k_row
 from rlengine.rl.trainer import Trainer
-from text_ckpt import build_text_checkpoint, checkpoint_with_eos
+
+from tests.support.text_ckpt import build_text_checkpoint, checkpoint_with_eos
 
 SAMPLE = "rlengine:configs/data/gsm8k_sample.jsonl"
 
@@ -37,7 +38,7 @@ def test_sample_is_package_data_and_maps_gsm8k_rows():
     rows = [json.loads(ln) for ln in shipped.read_text().splitlines()]
     assert len(rows) == 20 and all(set(r) == {"question", "answer"} and "####" in r["answer"] for r in rows)
     # setup.py ships it (an installed package has it)
-    tree = ast.parse((Path(__file__).parents[1] / "setup.py").read_text())
+    tree = ast.parse((Path(__file__).resolve().parents[2] / "setup.py").read_text())
     data = next(kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
                 for kw in node.keywords if kw.arg == "package_data")
     patterns = ast.literal_eval(data)["rlengine"]

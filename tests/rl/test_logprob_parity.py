@@ -14,46 +14,24 @@ bf16 max 2-5e-3, mean 6e-4).
 import pytest
 import torch
 
-from rlengine import LLM, SamplingParams
 from rlengine.config import preset
 from rlengine.model import qwen3
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.rl.batching import grpo_batch
-from rlengine.rl.learner import token_logprobs
-from rlengine.rl.rollout import RolloutGroup
 
-MAX_LOW, MEAN_LOW = 2 ** -6, 2 ** -9
-
-
-def _rollout_batch(model, *, G=3, prompts=4, max_tokens=9, seed=6, backend="auto"):
-    llm = LLM(model, max_num_seqs=8, attention_backend=backend)
-    gen = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(3, 60, (int(n),), generator=gen).tolist() for n in torch.randint(2, 12, (prompts,), generator=gen)]
-    outs = llm.generate(ids, SamplingParams(n=G, temperature=1.0, max_tokens=max_tokens, seed=seed))
-    groups = [RolloutGroup(i, o.prompt_token_ids, [c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs],
-                           [float(j) for j in range(G)], [c.policy_versions for c in o.outputs],
-                           [c.finish_reason for c in o.outputs]) for i, o in enumerate(outs)]
-    return grpo_batch(groups, normalize_std=True)
-
-
-def _diff(model, batch, fused):
-    logp, _ = token_logprobs(model, batch, 1.0, fused)  # grad enabled: the learner's training forward
-    assert logp.requires_grad and logp.dtype == torch.float32
-    valid = batch.loss_mask > 0
-    return (logp.detach()[valid] - batch.old_logprobs.to(logp.device)[valid]).abs()
+from tests.support.engine_learner_logprobs import MAX_LOW, MEAN_LOW, learner_minus_engine, rollout_batch
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
 def test_fp32_training_forward_matches_engine(name):
     model = Qwen3ForCausalLM(preset(name), seed=5)
-    d = _diff(model, _rollout_batch(model), fused=False)
+    d = learner_minus_engine(model, rollout_batch(model), fused=False)
     assert d.max() < 1e-5, f"max |learner - engine| {d.max():.2e}"
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
 def test_bf16_training_forward_matches_engine_within_rounding(name):
     model = Qwen3ForCausalLM(preset(name), seed=5, dtype=torch.bfloat16)
-    d = _diff(model, _rollout_batch(model), fused=False)
+    d = learner_minus_engine(model, rollout_batch(model), fused=False)
     assert d.max() < MAX_LOW and d.mean() < MEAN_LOW, (d.max().item(), d.mean().item())
 
 
@@ -63,8 +41,8 @@ def test_fp16_triton_paths_match_under_the_interpreter(monkeypatch):
         pytest.fail("triton is a dependency on Linux and must import")
     monkeypatch.setattr(qwen3, "fused_ops_for", lambda device: qwen3.triton_ops())
     model = Qwen3ForCausalLM(preset("tiny"), seed=5, dtype=torch.float16)
-    batch = _rollout_batch(model, G=2, prompts=2, max_tokens=4, backend="torch")
-    d = _diff(model, batch, fused=True)
+    batch = rollout_batch(model, G=2, prompts=2, max_tokens=4, backend="torch")
+    d = learner_minus_engine(model, batch, fused=True)
     assert d.max() < MAX_LOW and d.mean() < MEAN_LOW, (d.max().item(), d.mean().item())
 
 
@@ -91,12 +69,3 @@ def test_fast_path_is_an_explicit_choice_and_refuses_autograd():
     assert (slow - fast).abs().max() < 1e-5
     with pytest.raises(RuntimeError, match="no autograd"):
         model(ids, fast=True)  # grad enabled: the fused ops cannot backpropagate
-
-
-@pytest.mark.gpu
-def test_gpu_bf16_engine_vs_learner_logprobs():
-    """On a GPU: Triton engine path + fused log-prob kernel in bf16, through CUDA graphs."""
-    model = Qwen3ForCausalLM(preset("qwen3-30m"), seed=5, dtype=torch.bfloat16, device="cuda")
-    batch = _rollout_batch(model, G=4, prompts=8, max_tokens=16, backend="triton").to("cuda")
-    d = _diff(model, batch, fused=True)
-    assert d.max() < MAX_LOW and d.mean() < MEAN_LOW, (d.max().item(), d.mean().item())

@@ -17,7 +17,7 @@ from rlengine.rl.rollout import RolloutGroup
 from rlengine.rl.schedule import lr_factor
 from rlengine.rl.trainer import Trainer
 
-from test_trainer import _cfg  # the trainer tests' short GRPO run
+from tests.support.short_runs import short_run_config
 
 
 def _records(run_dir):
@@ -27,7 +27,7 @@ def _records(run_dir):
 def test_samples_jsonl_and_tensorboard_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tr = Trainer(_cfg(tmp_path, "out", ["--run.samples_every", "2", "--run.tensorboard", "true"]))
+    tr = Trainer(short_run_config(tmp_path, "out", ["--run.samples_every", "2", "--run.tensorboard", "true"]))
     history = tr.run()
     rows = [json.loads(ln) for ln in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows] == [2] * 16 + [4] * 16               # B_train = 16 rows every 2 updates
@@ -82,13 +82,13 @@ def test_lr_factor_by_hand():
 def test_lr_schedule_in_the_run_and_after_resume(tmp_path):
     extra = ["--train.updates", "6", "--train.lr_schedule", "cosine", "--train.warmup_updates", "2",
              "--train.min_lr_ratio", "0.1", "--eval.every", "6"]
-    full = Trainer(_cfg(tmp_path, "full", extra))
+    full = Trainer(short_run_config(tmp_path, "full", extra))
     base = full.cfg.train.lr_effective
     lrs = [r["lr"] for r in full.run() if r["update"] > 0]
     assert lrs == pytest.approx([base * f for f in (0.5, 1.0, 1.0, 0.775, 0.325, 0.1)], rel=1e-12)
-    part = Trainer(_cfg(tmp_path, "part", extra))
+    part = Trainer(short_run_config(tmp_path, "part", extra))
     part.run(stop_after=3)
-    resumed = Trainer(_cfg(tmp_path, "part", extra), resume=True)
+    resumed = Trainer(short_run_config(tmp_path, "part", extra), resume=True)
     history = [r for r in resumed.run() if r["update"] > 0]
     assert [r["lr"] for r in history] == pytest.approx(lrs, rel=1e-12)  # the schedule continues at update 4
 
@@ -159,14 +159,15 @@ def test_ppo_with_every_response_masked_has_nothing_to_learn():
 
 def test_overlong_fraction_logged_and_mask_leaves_nothing_to_learn(tmp_path):
     # max_tokens 1: an answer digit is always cut before its <eos>, so every response is over-long
-    cfg = _cfg(tmp_path, "ol", ["--gen.max_tokens", "1", "--train.overlong", "mask", "--train.updates", "2",
-                                "--train.dynamic_sampling", "false"])
+    cfg = short_run_config(tmp_path, "ol", ["--gen.max_tokens", "1", "--train.overlong", "mask", "--train.updates",
+                                            "2", "--train.dynamic_sampling", "false"])
     steps = [r for r in Trainer(cfg).run() if r["update"] > 0]
     assert [r["overlong_frac"] for r in steps] == [1.0, 1.0]
     assert all(r["actor_grad_norm"] == 0.0 for r in steps)
-    soft = _cfg(tmp_path, "soft", ["--gen.max_tokens", "1", "--train.overlong", "soft", "--train.updates", "1"])
+    soft = short_run_config(tmp_path, "soft",
+                            ["--gen.max_tokens", "1", "--train.overlong", "soft", "--train.updates", "1"])
     assert soft.train.overlong_buffer == 1  # default max(1, max_tokens // 4)
     rec = [r for r in Trainer(soft).run() if r["update"] > 0][0]
     assert rec["overlong_penalty_mean"] == -1.0
     with pytest.raises(ConfigError, match="overlong_buffer"):
-        _cfg(tmp_path, "bad", ["--train.overlong", "soft", "--train.overlong_buffer", "99"])
+        short_run_config(tmp_path, "bad", ["--train.overlong", "soft", "--train.overlong_buffer", "99"])

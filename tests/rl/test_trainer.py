@@ -12,13 +12,9 @@ from rlengine.rl.rewards import RewardError, register_reward
 from rlengine.rl.tasks import DatasetError, build_task, read_jsonl
 from rlengine.rl.trainer import Trainer
 
-SMALL = ["--warmstart.steps", "5", "--train.updates", "4", "--train.prompts_per_step", "4", "--train.group_size",
-         "4", "--eval.every", "2", "--task.num_eval", "8", "--task.num_train", "50", "--run.progress", "false"]
+from tests.support.short_runs import SHORT_RUN, short_run_config
+
 TIMING = {"t_gen", "t_train", "q_gen", "q", "b_act_mean", "b_act_p50", "b_act_p90", "b_act_frac_time_below"}
-
-
-def _cfg(tmp_path, name, extra=()):
-    return load_config("rlengine/configs/grpo.toml", SMALL + ["--run.out_dir", str(tmp_path / name), *extra])
 
 
 def _strip(records):
@@ -26,10 +22,10 @@ def _strip(records):
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
-    full = Trainer(_cfg(tmp_path, "full")).run()
-    part = Trainer(_cfg(tmp_path, "part"))
+    full = Trainer(short_run_config(tmp_path, "full")).run()
+    part = Trainer(short_run_config(tmp_path, "part"))
     part.run(stop_after=2)
-    resumed = Trainer(_cfg(tmp_path, "part"), resume=True)
+    resumed = Trainer(short_run_config(tmp_path, "part"), resume=True)
     assert resumed.update == 2
     history = resumed.run()
     assert _strip(history) == _strip(full)
@@ -49,18 +45,18 @@ def test_reward_function_that_raises_is_counted_and_run_continues(tmp_path):
         return float(completion.strip() == answer)
 
     # one call in three fails: tolerated up to task.max_reward_error_frac, counted in the metrics
-    history = Trainer(_cfg(tmp_path, "flaky", ["--task.reward", "flaky", "--train.updates", "2",
-                                               "--task.max_reward_error_frac", "0.5"])).run()
+    history = Trainer(short_run_config(tmp_path, "flaky", ["--task.reward", "flaky", "--train.updates", "2",
+                                                          "--task.max_reward_error_frac", "0.5"])).run()
     assert sum(r.get("reward_errors", 0) for r in history) > 0
     assert any(r.get("eval_reward_errors", 0) > 0 for r in history)
     assert history[-1]["update"] == 2
     # above the default 1% the run stops with the reward's own traceback
     with pytest.raises(RewardError, match="reward server down"):
-        Trainer(_cfg(tmp_path, "flaky2", ["--task.reward", "flaky", "--train.updates", "2"])).run()
+        Trainer(short_run_config(tmp_path, "flaky2", ["--task.reward", "flaky", "--train.updates", "2"])).run()
 
 
 def test_ppo_runs_with_critic_warmup(tmp_path):
-    cfg = load_config("rlengine/configs/ppo.toml", SMALL[:-4] + ["--run.progress", "false", "--train.group_size",
+    cfg = load_config("rlengine/configs/ppo.toml", SHORT_RUN[:-4] + ["--run.progress", "false", "--train.group_size",
                       "1", "--train.critic_warmup", "2", "--run.out_dir", str(tmp_path / "ppo")])
     history = Trainer(cfg).run()
     steps = [r for r in history if r["update"] > 0]
@@ -119,23 +115,23 @@ def test_embedded_default_job_learns(tmp_path, capsys):
 
 def test_async_partial_rollouts_record_policy_lag(tmp_path):
     """B_gen > B_train: unfinished responses continue under new weights and carry their lag."""
-    cfg = _cfg(tmp_path, "async", ["--gen.b_gen", "48", "--gen.max_lag", "2", "--train.updates", "4",
-                                   "--gen.max_tokens", "6"])
+    cfg = short_run_config(tmp_path, "async", ["--gen.b_gen", "48", "--gen.max_lag", "2", "--train.updates", "4",
+                                               "--gen.max_tokens", "6"])
     tr = Trainer(cfg)
     assert tr.collector.async_mode
     history = [r for r in tr.run() if r["update"] > 0]
     lags = [r["policy_lag_max"] for r in history]
     assert max(lags) >= 1 and max(lags) <= 2, lags
     # with max_lag 0 every carried-over group is stale and dropped
-    cfg0 = _cfg(tmp_path, "async0", ["--gen.b_gen", "48", "--gen.max_lag", "0", "--train.updates", "3",
-                                     "--gen.max_tokens", "6"])
+    cfg0 = short_run_config(tmp_path, "async0", ["--gen.b_gen", "48", "--gen.max_lag", "0", "--train.updates", "3",
+                                                 "--gen.max_tokens", "6"])
     history0 = [r for r in Trainer(cfg0).run() if r["update"] > 0]
     assert sum(r["stale_dropped"] + r["stale_aborted"] for r in history0) > 0
     assert all(r["policy_lag_max"] == 0 for r in history0)
 
 
 def test_gen_enforce_eager_reaches_both_engines(tmp_path):
-    tr = Trainer(_cfg(tmp_path, "eager", ["--gen.enforce_eager", "true"]))
+    tr = Trainer(short_run_config(tmp_path, "eager", ["--gen.enforce_eager", "true"]))
     assert tr.llm.cuda_graphs_off == tr.eval_llm.cuda_graphs_off == "enforce_eager=True"
-    default = Trainer(_cfg(tmp_path, "graphs"))
+    default = Trainer(short_run_config(tmp_path, "graphs"))
     assert "CUDA device" in default.llm.cuda_graphs_off  # this CPU: graphs off, and it says why

@@ -1,5 +1,7 @@
-"""The RL setup around the formulas: KL reference timing, PPO/GRPO group sizes, resume rules,
-bf16 resume with masters, processed log-probs end to end, and bad data caught before training."""
+"""How the Trainer sets a run up and resumes it: when the KL reference is taken (after the warm start,
+restored on resume), PPO/GRPO group sizes, resume rules (the given directory; overrides that would
+change the run's meaning rejected), bf16 resume with the saved fp32 masters, processed log-probs
+agreeing between engine and learner end to end, and bad data rows reported before training."""
 
 import json
 import shutil

@@ -2,7 +2,7 @@
 
 Each rank also builds the single-process reference itself (same seed, the whole batch, no process
 group), so the comparison needs no communication of its own. Exits non-zero on any mismatch.
-Usage: torchrun --nproc-per-node 2 tests/dist/grad_equivalence.py OUT_JSON
+Usage: torchrun --nproc-per-node 2 tests/support/grad_equivalence.py OUT_JSON
 """
 
 import json

@@ -68,7 +68,7 @@ def all_configs():
     return [("dense", k, v) for k, v in DENSE_CONFIGS.items()] + [("moe", k, v) for k, v in MOE_CONFIGS.items()]
 
 
-# ---- Qwen2 / Qwen2.5 and Llama 3.x (tests/test_arch_parity.py) ---------------------------
+# ---- Qwen2 / Qwen2.5 and Llama 3.x (tests/model/test_arch_parity.py) --------------------------
 def _llama3_rope(theta: float, factor: float, low: float, high: float, original: int) -> dict:
     return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
             "high_freq_factor": high, "original_max_position_embeddings": original}
@@ -110,3 +110,20 @@ def make_hf_arch_model(family: str, overrides: dict, *, vocab: int = 97, layers:
             elif name.endswith("bias"):  # HF initialises biases to zero: make them count
                 p.copy_(0.2 * torch.randn_like(p))
     return model.eval()
+
+
+def random_prompts(n, vocab, max_len, seed=0):
+    """n random token-id prompts, one of length 1, one of max_len, the rest uniform in [2, max_len)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [1, max_len] + torch.randint(2, max_len, (n - 2,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (n_,), generator=gen).tolist() for n_ in lens]
+
+
+def hf_greedy(hf, prompt, max_new):
+    """transformers' greedy generate() of max_new tokens after `prompt` (no EOS stop): the engine's reference."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        # explicit all-ones mask: otherwise generate() masks prompt tokens equal to pad_token_id
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()

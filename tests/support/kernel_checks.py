@@ -1,8 +1,9 @@
-"""Kernel-vs-reference checks with tolerances derived from dtype and accumulation (issue 13).
+"""Kernel-vs-reference checks with tolerances derived from dtype and accumulation.
 
-Shared by the GPU tier (tests/test_gpu.py) and the interpreter runs that prove each check fails
-on a planted bug (tests/test_k13_injected_bugs.py), so the check that runs on a GPU is the one
-shown to catch the bug. Every bound below says where it comes from:
+Shared by the GPU tier (tests/gpu/test_triton_kernels_gpu.py), the interpreter runs of the kernels
+(tests/kernels) and the planted-bug controls that prove each check fails on a bug
+(tests/kernels/test_planted_bugs.py), so the check that runs on a GPU is the one shown to catch it.
+Every bound below says where it comes from:
   - fused log-prob: kernel and oracle both accumulate the logits in fp32 from the same 16-bit
     inputs, so log-probs and entropies agree to fp32 summation-order error (~1e-6 |z|): atol 1e-3,
     rtol 1e-4. Gradients go through d(logits) rounded once to the input dtype (2^-9 relative in

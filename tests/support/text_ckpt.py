@@ -1,8 +1,8 @@
 """A text checkpoint built offline: a trained byte-level BPE tokenizer, a ChatML chat template, two EOS ids
 and a random tiny Qwen3 whose vocabulary matches the tokenizer.
 
-    from text_ckpt import build_text_checkpoint, force_eos     # tests/ is on sys.path under pytest
-    ckpt = build_text_checkpoint(tmp_path / "ckpt")            # or the session fixture `text_checkpoint`
+    from tests.support.text_ckpt import build_text_checkpoint, force_eos
+    ckpt = build_text_checkpoint(tmp_path / "ckpt")    # or the session fixture `text_checkpoint` (tests/conftest.py)
     LLM(model=str(ckpt.path)); AutoTokenizer.from_pretrained(ckpt.path)  # both load it
 
 The directory holds what a Hugging Face chat model ships: tokenizer.json (BPE trained here with the
@@ -21,7 +21,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -107,12 +106,6 @@ def build_text_checkpoint(path: str | Path, *, seed: int = 0, chat_template: str
                       rope_theta=10_000.0, tie_word_embeddings=False, eos_token_id=im_end, pad_token_id=eot)
     save_pretrained(Qwen3ForCausalLM(cfg, device="cpu", dtype=torch.float32, seed=seed), path)
     return TextCheckpoint(path, [im_end, eot], V)
-
-
-@pytest.fixture(scope="session")
-def text_checkpoint(tmp_path_factory) -> TextCheckpoint:
-    """One text checkpoint per test session (read-only: copy it before editing weights)."""
-    return build_text_checkpoint(tmp_path_factory.mktemp("text_ckpt") / "ckpt")
 
 
 @torch.no_grad()

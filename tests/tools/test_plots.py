@@ -1,4 +1,5 @@
-"""tools/plots.py renders each plot from synthetic JSON to a PNG (checked by its magic bytes)."""
+"""tools/plots.py renders each plot (decode, asymmetry, time to target, benchmark sweeps, serving) from
+synthetic JSON to a PNG (checked by its magic bytes)."""
 
 import importlib.util
 import json
@@ -12,7 +13,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def load_plots():
-    path = Path(__file__).resolve().parents[1] / "tools" / "plots.py"
+    path = Path(__file__).resolve().parents[2] / "tools" / "plots.py"
     spec = importlib.util.spec_from_file_location("rlengine_tools_plots", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -27,6 +28,10 @@ ASYMMETRY = {"rows": [{"b": 256, "responses": 256, "t_gen": 39.0, "t_train": 20.
                       {"b": 1024, "responses": 1024, "t_gen": 68.0, "t_train": 80.0}]}
 TTT = {"rows": [{"P": 64, "T_norm": 1.14}, {"P": 128, "T_norm": 1.0}, {"P": 1024, "T_norm": 0.71},
                 {"P": 4096, "T_norm": 1.18}, {"P": 256, "T_norm": 1.42, "label": "256 fixed LR"}]}
+SWEEP = {"name": "bench_x", "rows": [{"B": b, "L": l, "ref_ms": 0.1 * b * l, "new_ms": 0.05 * b * l}
+                                     for b in (1, 8, 64) for l in (64, 256)]}
+SERVE = {"rows": [{"request_rate": r, "median_ttft_ms": 10.0 * r, "p99_ttft_ms": 20.0 * r, "median_tpot_ms": 2.0,
+                   "p99_tpot_ms": 3.0, "median_itl_ms": 2.0, "p99_itl_ms": None} for r in (1.0, 4.0, 16.0)]}
 
 
 @pytest.mark.parametrize("kind, data", [("decode", DECODE), ("asymmetry", ASYMMETRY), ("ttt", TTT)])
@@ -51,3 +56,19 @@ def test_missing_fields_are_named(tmp_path):
         plots.plot_asymmetry({"rows": [{"b": 1, "responses": 1}]}, tmp_path / "x.png")
     with pytest.raises(ValueError, match="rows"):
         plots.plot_time_to_target({}, tmp_path / "x.png")
+
+
+def test_sweep_cli_writes_png(tmp_path):
+    src = tmp_path / "sweep.json"
+    src.write_text(json.dumps(SWEEP))
+    assert plots.main(["sweep", str(src), "--x", "B", "--y", "ref_ms,new_ms", "--group", "L"]) == 0
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(SystemExit):
+        plots.main(["sweep", str(src)])                       # --x and --y are required
+    with pytest.raises(ValueError, match="no numeric values"):
+        plots.plot_sweep(SWEEP, tmp_path / "x.png", x="B", y=["missing_ms"])
+
+
+def test_serving_plot(tmp_path):
+    out = plots.plot_serving(SERVE, tmp_path / "serve.png")
+    assert out.read_bytes()[:8] == PNG_MAGIC
