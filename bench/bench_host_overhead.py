@@ -13,8 +13,8 @@ heads) so the KV cache stays small; median (and p90) over the timed steps, then 
 --rounds repetitions of each point (the CPU is shared: a burst of load on one round must not decide).
 Providers: "after" is this tree; "before" rows (commit 1177efb, page tables rebuilt from Python
 lists per step) are kept in the output JSON from an earlier measurement (--before FILE merges
-them in: rows with B_act, context, total_us). Targets (issue 11): < 50 us at B_act = 1,
-< 0.5 ms at B_act = 256 with 4k context.
+them in: rows with B_act, context, total_us). Targets for the host cost of one decode step:
+< 50 us at B_act = 1, < 0.5 ms at B_act = 256 with 4k context.
     python bench/bench_host_overhead.py --grid "B=1,16,256 S=512,4096" --out docs/results
 """
 

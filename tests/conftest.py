@@ -1,7 +1,14 @@
-"""Shared test settings: one tolerance table, deterministic fp32, gpu marker handling."""
+"""Settings for the whole suite: deterministic fp32, Triton through its interpreter, gpu marker handling,
+and the fixtures that test files in several folders share.
+
+Test folders are packages (tests/__init__.py), so pytest imports each file by its dotted name
+(tests.engine.test_sampler) with the repository root on sys.path: two files may share a basename in
+different folders, and helpers are imported as `from tests.support.hf_models import ...`.
+"""
 
 import os
 
+import pytest
 import torch
 
 # Triton kernels run on the CPU through the interpreter in this test tier.
@@ -10,28 +17,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-
-# (atol, rtol) per dtype, for kernel-vs-reference comparisons.
-TOLERANCES = {
-    torch.float32: (1e-4, 1e-4),
-    torch.float16: (2e-2, 2e-2),
-    torch.bfloat16: (5e-2, 5e-2),
-}
-
-
-def tol(dtype: torch.dtype) -> dict:
-    atol, rtol = TOLERANCES[dtype]
-    return {"atol": atol, "rtol": rtol}
-
-
-def store_kvcache_ref(k, v, k_cache, v_cache, slots):
-    """Plain-torch paged KV write (slot -1 skipped) into copies of the caches -> (k_cache, v_cache)."""
-    Hkv, D = k_cache.shape[2], k_cache.shape[3]
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    valid = slots >= 0
-    ref_k.view(-1, Hkv, D)[slots[valid]] = k[valid]
-    ref_v.view(-1, Hkv, D)[slots[valid]] = v[valid]
-    return ref_k, ref_v
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,3 +28,12 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def text_checkpoint(tmp_path_factory):
+    """One text checkpoint (tests/support/text_ckpt.py) per test session, read-only: copy it before
+    editing weights. Used by the tokenizer / chat-template tests and the engine's text API tests."""
+    from tests.support.text_ckpt import build_text_checkpoint
+
+    return build_text_checkpoint(tmp_path_factory.mktemp("text_ckpt") / "ckpt")

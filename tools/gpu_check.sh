@@ -143,10 +143,11 @@ open(os.path.join(os.environ['OUT'],'shards.json'),'w'))"
   shard() { local name=$1; shift
     timeout -k 10 150 python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/junit_$name.xml" "$@" \
       > "$OUT/tests_$name.log" 2>&1; }
-  shard paged_decode tests/test_k13_gpu_kernels.py -k paged_decode & local p1=$!
-  shard kernels tests/test_k13_gpu_kernels.py -k "not paged_decode" & local p2=$!
-  shard engine tests/test_gpu.py & local p3=$!
-  shard others tests --ignore=tests/test_gpu.py --ignore=tests/test_k13_gpu_kernels.py & local p4=$!
+  shard paged_decode tests/gpu/test_triton_kernels_gpu.py -k paged_decode & local p1=$!
+  shard kernels tests/gpu/test_triton_kernels_gpu.py -k "not paged_decode" & local p2=$!
+  shard engine tests/gpu/test_model_and_engine_gpu.py & local p3=$!
+  shard others tests/gpu --ignore=tests/gpu/test_model_and_engine_gpu.py \
+    --ignore=tests/gpu/test_triton_kernels_gpu.py & local p4=$!
   local status=0 name pid rc
   for pair in paged_decode:$p1 kernels:$p2 engine:$p3 others:$p4; do
     name=${pair%%:*}; pid=${pair##*:}; rc=0

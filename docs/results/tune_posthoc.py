@@ -1,4 +1,4 @@
-"""Post-hoc numbers for docs/results/tune_effects.md, read from the runs.jsonl files of two tunes.
+"""Post-hoc numbers for docs/RESULTS.md ("Algorithm 1 on the built-in task"), read from the runs.jsonl files of two tunes.
 
     python docs/results/tune_posthoc.py docs/results/tune_run1_wall/runs.jsonl docs/results/tune_run2_cpu/runs.jsonl
 

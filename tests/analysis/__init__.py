@@ -1,0 +1,1 @@
+"""Tests of rlengine/analysis: accounting, fits, roofline, memory."""

@@ -1,0 +1,1 @@
+"""Tests of rlengine/benchmarks and bench/ (harness and provenance)."""

@@ -1,0 +1,1 @@
+"""Tests of the C++ CPU ops (csrc/, loaded as torch.ops.rlengine)."""

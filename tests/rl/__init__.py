@@ -1,0 +1,1 @@
+"""Tests of rlengine/rl: formulas, learner, rollouts, rewards, checkpoints, trainer, several ranks."""

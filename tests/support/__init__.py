@@ -1,0 +1,1 @@
+"""Helpers shared by several test packages: reference models and checkpoints, kernel checks, test cases."""

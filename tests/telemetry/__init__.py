@@ -1,0 +1,1 @@
+"""Tests of rlengine/telemetry: NVML sampler, timers, boundary records, NVTX and the profiler."""

@@ -1,0 +1,1 @@
+"""Tests of rlengine/tune (rlengine tune, PAPER.md Algorithm 1)."""
