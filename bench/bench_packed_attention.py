@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlengine.config import preset
 from rlengine.model.attention import PackedCausal
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.rl.batching import grpo_batch
+from rlengine.rl.learner.batching import grpo_batch
 from rlengine.rl.config import TrainSection
-from rlengine.rl.learner import Learner
-from rlengine.rl.rollout import RolloutGroup
+from rlengine.rl.learner.learner import Learner
+from rlengine.rl.types import RolloutGroup
 
 from bench.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report, selected_providers,
                            sweep_cases)

@@ -30,7 +30,8 @@ def _cmd_info(args) -> int:
     from rlengine.config import PRESETS, preset
 
     if args.plan:  # the per-device memory plan of a training config, and its B_KV
-        from rlengine.analysis.memory_plan import GiB, device_memory, engine_max_model_len, plan_for_config
+        from rlengine.analysis.memory_plan import GiB
+        from rlengine.rl.trainer.memory import device_memory, engine_max_model_len, plan_for_config
         from rlengine.config import ConfigError
         from rlengine.rl.config import load_config
 
@@ -126,7 +127,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from rlengine.rl.trainer import Trainer
+    from rlengine.rl.trainer.loop import Trainer
 
     if args.nproc is not None:
         return _launch(args)
@@ -152,7 +153,8 @@ def _train_config(args):
 
     from rlengine.config import ConfigError
     from rlengine.preflight import check_train_config
-    from rlengine.rl.config import load_config, resume_config
+    from rlengine.rl.config import load_config
+    from rlengine.rl.trainer.run_dir import resume_config
     from rlengine.telemetry.profiler import ProfileWindow
 
     try:
@@ -373,7 +375,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     checkpoint, a reward function): one line, exit code 2. Every other exception is a bug."""
     from rlengine.config import ConfigError  # DatasetError is a ConfigError
     from rlengine.model.loader import CheckpointError
-    from rlengine.rl.rewards import RewardError
+    from rlengine.rl.data.rewards import RewardError
 
     return ConfigError, CheckpointError, RewardError
 

@@ -69,9 +69,9 @@ def check_train_config(cfg) -> None:
     """Everything a TrainConfig needs from this machine and its files, checked as the Trainer checks it
     (the same task, eval sets, prompt encoder and prompt-length check), without loading any weights."""
     from rlengine.model.factory import tokenizer_for
-    from rlengine.rl.evaluation import build_eval_sets
-    from rlengine.rl.prompts import PromptEncoder, check_job_prompts
-    from rlengine.rl.tasks import build_task
+    from rlengine.rl.rollout.evaluation import build_eval_sets
+    from rlengine.rl.data.prompts import PromptEncoder, check_job_prompts
+    from rlengine.rl.data.tasks import build_task
 
     device = check_device(cfg.model.device, "model.device")
     model = check_model(cfg.model.name, "model.name")

@@ -10,7 +10,7 @@ before any KV block is the TRAINING state, not just the weights. Per parameter (
     | bf16/fp16 without masters         | 2       | 0      | 4 (bf16)  | 2                | 8     |
 
 The bf16 gradient of one micro-batch lives only until it is added into the fp32 master grad
-(rlengine/rl/optim.py), but it is counted: it is there at the activation peak. Inference alone
+(rlengine/rl/algo/optim.py), but it is counted: it is there at the activation peak. Inference alone
 (LLM without a learner) needs the weights column only. Activations and the KV cache are separate
 terms of the memory plan (B_KV = floor((alpha*C_mem - M_weights - M_runtime) / m_KV(S))).
 """

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from rlengine.analysis.memory import training_state_bytes
 from rlengine.analysis.roofline import b_kv, kv_bytes_per_seq, param_counts
-from rlengine.config import ConfigError, ModelConfig, preset
+from rlengine.config import ConfigError, ModelConfig
 
 _BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 GiB = 2**30
@@ -161,55 +160,3 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, dtype: str, max_model_le
         bytes_per_block=per_block, num_kv_blocks=max(0, left // per_block), max_model_len=max_model_len,
         m_kv=m_kv, b_kv=b_kv(alpha, device_bytes, state, activations + reserve, m_kv), b_gen=b_gen,
         group_size=group_size)
-
-
-def plan_for_config(tc, *, device_bytes: int, max_model_len: int, activations: int | None = None,
-                    reserve: int | None = None, alpha: float = 0.9, device_type: str = "cuda",
-                    world_size: int = 1) -> MemoryPlan:
-    """The plan of a TrainConfig's run (rl/config.py) on a device of device_bytes, checked (see check()).
-
-    max_model_len: the engines' (the trainer's: longest prompt + gen.max_tokens + 1). reserve defaults
-    to 1 GiB on CUDA (context, graph pools, FlashInfer / Triton workspaces), 64 MiB elsewhere.
-    world_size: ranks of the run (train.parallel = fsdp shards the training state over them).
-    """
-    from rlengine.model.loader import load_config  # the loader imports torch-heavy modules: only for a directory
-
-    name = tc.model.name
-    cfg = load_config(name) if Path(name).is_dir() else preset(name)
-    t, g = tc.train, tc.gen
-    micro = t.micro_batch or t.b_train
-    return plan_memory(
-        cfg, device_bytes=device_bytes, dtype=tc.model.dtype, max_model_len=max_model_len,
-        micro_batch_tokens=micro * max_model_len, block_size=g.block_size, master_weights=t.master_weights,
-        critic=t.algo == "ppo", kl_reference=t.kl_coef > 0,
-        materialized_logits=g.logprobs_mode == "processed" and g.filtered, activations=activations,
-        reserve=(GiB if device_type == "cuda" else 64 * 2**20) if reserve is None else reserve, alpha=alpha,
-        b_gen=g.b_gen, group_size=t.group_size, fsdp_shards=world_size if t.parallel == "fsdp" else 1).check()
-
-
-def engine_max_model_len(tc) -> int:
-    """The engines' max_model_len for a TrainConfig, as the trainer sizes it: the longest train / eval
-    prompt + gen.max_tokens + 1, capped at the model's max_position_embeddings (builds the task)."""
-    from rlengine.model.factory import tokenizer_for
-    from rlengine.model.loader import load_config
-    from rlengine.rl.tasks import build_task
-
-    name = tc.model.name
-    mpe = (load_config(name) if Path(name).is_dir() else preset(name)).max_position_embeddings
-    t = tc.task
-    task = build_task(t.name, path=t.path, eval_path=t.eval_path, reward=t.reward, num_train=t.num_train,
-                      num_eval=t.num_eval, seed=t.seed)
-    encode = tokenizer_for(name).encode
-    longest = max(len(encode(p.prompt)) for p in task.train + task.eval)
-    return min(longest + tc.gen.max_tokens + 1, mpe)
-
-
-def device_memory() -> tuple[int, str]:
-    """(bytes, where from) of this machine's device: CUDA total memory, else physical RAM."""
-    import os
-
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory, f"CUDA device 0 ({torch.cuda.get_device_name(0)})"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM (no CUDA device)"

@@ -74,7 +74,7 @@ class StaticReplay:
     Like a CUDA graph it sees the step only through the buffers fill() wrote and the batch
     object planned at capture, so a host value that leaked into decode would show up as wrong
     tokens in the tests. It cannot detect a host sync inside the captured region: only a real
-    capture does (tests/test_gpu.py).
+    capture does (tests/gpu/test_model_and_engine_gpu.py).
     """
 
     def __init__(self, pool=None):

@@ -8,7 +8,7 @@ and the packing of the sampled tokens, their log-probs and (when recorded) the M
 one int32 buffer whose copy to the host is queued behind them. read() waits for that copy: the
 step's ONE device-to-host read (a step that carries a top_logprobs request reads its [N, k] top-k
 too, after that one); nothing else in a decode step reads the device
-(tests/test_engine_host_reads.py counts it, tests/test_engine_gpu.py runs under sync-debug mode).
+(tests/engine/test_host_reads.py counts it, tests/gpu/test_engine_sync_and_backends_gpu.py runs under sync-debug mode).
 run() = read(launch()). With overlap (LLM(async_scheduling=True)) the LLM launches step t+1 before
 reading step t: inputs whose token step t is still sampling are gathered on the device from step
 t's token tensor, and the output buffers alternate so step t+1 cannot overwrite step t's.

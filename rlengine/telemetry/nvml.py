@@ -124,6 +124,12 @@ class NvmlSampler:
     `cuda_identities` replaces torch's view of them (tests).
     """
 
+    @classmethod
+    def for_device(cls, device) -> "NvmlSampler":
+        """The sampler of the GPU a torch device is (NVML numbers every GPU on the node: the CUDA index
+        is mapped by UUID / PCI bus id); for a CPU device it says plainly that there is no telemetry."""
+        return cls(cuda_devices=[device.index or 0] if device.type == "cuda" else None)
+
     def __init__(self, devices: list[int] | None = None, *, cuda_devices: list[int] | None = None,
                  interval_s: float = 0.1, nvml=None, clock: Callable[[], float] = time.perf_counter,
                  keep_samples: int = 10_000, cuda_identities: list[CudaIdentity] | None = None) -> None:

@@ -139,7 +139,7 @@ class TrainerRunner:
         return self._execute(plan, cfg, run_dir)
 
     def _execute(self, plan: RunPlan, cfg: TrainConfig, run_dir: Path) -> RunCurve:
-        from rlengine.rl.trainer import Trainer
+        from rlengine.rl.trainer.loop import Trainer
 
         load0, t0, cpu0 = _load(), time.perf_counter(), time.process_time()
         trainer = Trainer(cfg)

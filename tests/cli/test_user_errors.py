@@ -234,7 +234,7 @@ def test_debug_shows_the_traceback_of_a_user_error(argv, capsys):
 def test_multi_line_message_keeps_its_detail_above_the_summary(monkeypatch, capsys):
     """A reward failure's message carries the reward function's traceback: shown above the summary line."""
     import rlengine.cli as cli
-    from rlengine.rl.rewards import RewardError
+    from rlengine.rl.data.rewards import RewardError
 
     def fail(args):
         raise RewardError("evaluation: 3 of 4 reward calls failed; the first failure was:\n"

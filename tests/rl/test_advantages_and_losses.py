@@ -1,6 +1,6 @@
 """RL math against numbers worked out by hand (in the comments), not against the code itself.
 
-Covers rlengine.rl.advantages (GRPO, GAE) and rlengine.rl.losses (clipped policy loss with
+Covers rlengine.rl.algo.advantages (GRPO, GAE) and rlengine.rl.algo.losses (clipped policy loss with
 asymmetric clipping, token-mean vs seq-mean, the micro-batch normalizer, k3 KL, value clipping).
 """
 
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from rlengine.rl.advantages import gae, grpo_advantages
-from rlengine.rl.losses import kl_k3, masked_aggregate, policy_loss, value_loss
+from rlengine.rl.algo.advantages import gae, grpo_advantages
+from rlengine.rl.algo.losses import kl_k3, masked_aggregate, policy_loss, value_loss
 
 
 def _close(got, want, atol=1e-6):

@@ -1,4 +1,4 @@
-"""bf16 training with fp32 master weights under the shared bf16 parameters (rlengine/rl/optim.py).
+"""bf16 training with fp32 master weights under the shared bf16 parameters (rlengine/rl/algo/optim.py).
 
 References: Adam's update recomputed in float64 from the recorded gradients (the hand-derived
 formula), an fp32 run from the same bf16-rounded start, and a fresh model built from the rounded
@@ -13,10 +13,10 @@ import torch
 from rlengine import LLM, SamplingParams
 from rlengine.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.rl.batching import TrainBatch, pack
+from rlengine.rl.learner.batching import TrainBatch, pack
 from rlengine.rl.config import TrainSection
-from rlengine.rl.learner import Learner, token_logprobs
-from rlengine.rl.optim import use_master_weights
+from rlengine.rl.learner.learner import Learner, token_logprobs
+from rlengine.rl.algo.optim import use_master_weights
 
 
 def _bf16_start(dtype=torch.bfloat16, seed=0):

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from rlengine.model.factory import build_model
-from rlengine.rl.checkpoint import STAGES, latest_checkpoint, load_checkpoint, save_checkpoint
-from rlengine.rl.value import ValueModel
+from rlengine.rl.trainer.checkpoint import STAGES, latest_checkpoint, load_checkpoint, save_checkpoint
+from rlengine.rl.algo.value import ValueModel
 
 
 def _tiny(seed: int, dtype=torch.float32):
@@ -159,7 +159,7 @@ from pathlib import Path
 import torch
 torch.set_num_threads(1)  # no worker threads in a process that forks
 from rlengine.model.factory import build_model
-from rlengine.rl.checkpoint import save_checkpoint
+from rlengine.rl.trainer.checkpoint import save_checkpoint
 
 root, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
 ref = build_model("tiny", dtype=torch.float32, device="cpu", moe_impl="ref", seed=0).requires_grad_(False)

@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlengine.config import ConfigError
-from rlengine.rl.config import _SECTION_TYPES, TrainConfig, _split_overrides, load_config
-from rlengine.rl.tasks import DatasetError, Problem, read_jsonl
+from rlengine.rl.config import TrainConfig, load_config, split_overrides
+from rlengine.rl.config.sections import _SECTION_TYPES
+from rlengine.rl.data.tasks import DatasetError, Problem, read_jsonl
 
 SETTINGS = settings(deadline=None, max_examples=150, database=None, suppress_health_check=[HealthCheck.too_slow])
 FIELDS = {section: typing.get_type_hints(cls) for section, cls in _SECTION_TYPES.items()}
@@ -49,7 +50,7 @@ def has_type(value, tp) -> bool:
         return isinstance(value, float) and math.isfinite(value)
     if tp in (bool, str, dict, list, tuple, type(None)):
         return isinstance(value, tp)
-    raise AssertionError(f"no rule for the annotation {tp!r}: add one here and in rl/config_values.py typed")
+    raise AssertionError(f"no rule for the annotation {tp!r}: add one here and in rl/config/values.py typed")
 
 
 def assert_typed(cfg: TrainConfig) -> None:
@@ -99,7 +100,7 @@ def test_random_overrides_parse_to_declared_types_or_raise_config_error(args):
 @given(override_lists())
 def test_split_overrides_gives_dotted_keys_or_config_error(args):
     try:
-        pairs = _split_overrides(args)
+        pairs = split_overrides(args)
     except ConfigError:
         return
     for key, value in pairs:

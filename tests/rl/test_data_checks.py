@@ -7,7 +7,7 @@ import pytest
 
 from rlengine.config import ConfigError
 from rlengine.model.tokenizer import Tokenizer
-from rlengine.rl.tasks import DatasetError, build_task, first_digit_task, read_jsonl
+from rlengine.rl.data.tasks import DatasetError, build_task, first_digit_task, read_jsonl
 
 GOOD = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(10)]
 

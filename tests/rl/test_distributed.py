@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlengine.rl.config import load_config, resume_config
+from rlengine.rl.config import load_config
+from rlengine.rl.trainer.run_dir import resume_config
 from rlengine.rl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +95,7 @@ def test_resume_on_two_ranks_and_on_one(tmp_path):
     one = Trainer(resume_config(tmp_path / "part", ["--run.out_dir", str(tmp_path / "one")]),
                   resume_from=tmp_path / "part")
     from rlengine.model.loader import load_pretrained
-    from rlengine.rl.checkpoint import latest_checkpoint
+    from rlengine.rl.trainer.checkpoint import latest_checkpoint
 
     ckpt = load_pretrained(latest_checkpoint(tmp_path / "part") / "model", dtype=torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(one.model.parameters(), ckpt.parameters()))
@@ -112,7 +113,7 @@ def test_a_rank_failing_its_reward_stops_the_job_once(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
         "import os, sys\n"
-        "from rlengine.rl.rewards import register_reward\n"
+        "from rlengine.rl.data.rewards import register_reward\n"
         "@register_reward('rank1-fails')\n"
         "def r(c, a):\n"
         "    if os.environ['RANK'] == '1':\n"
@@ -159,7 +160,7 @@ def test_fsdp_run_matches_one_process_and_its_checkpoint_resumes_anywhere(tmp_pa
     one.run()
     _same_run(_metrics(tmp_path / "fsdp"), _metrics(tmp_path / "one"))
     from rlengine.model.loader import load_pretrained
-    from rlengine.rl.checkpoint import latest_checkpoint
+    from rlengine.rl.trainer.checkpoint import latest_checkpoint
 
     ckpt = load_pretrained(latest_checkpoint(tmp_path / "fsdp") / "model", dtype=torch.float64)
     # gradients summed in another order (and fp32 behaviour log-probs): Adam's m / sqrt(v) lifts that
@@ -181,16 +182,16 @@ def test_decode_graphs_are_recaptured_when_parameter_storage_moves(tmp_path):
                                                                      str(tmp_path / "g"), "--model.dtype", "float32"]))
     for llm in (tr.llm, tr.eval_llm):
         llm._use_decode_graphs(StaticReplay)
-    tr._graph_weights = None
-    tr.refresh_decode_graphs()
+    tr.graphs.forget()
+    tr.graphs.refresh()
     first = tr.llm.runner.graphs
     tr.train_step()
-    assert tr.graph_recaptures == 0 and tr.llm.runner.graphs is first  # same storage: kept
+    assert tr.graphs.recaptures == 0 and tr.llm.runner.graphs is first  # same storage: kept
     with torch.no_grad():
         for p in tr.model.parameters():
             p.data = p.data.clone()  # what a reshard + unshard does to the addresses
     rec = tr.train_step()
-    assert tr.graph_recaptures == 2 and tr.llm.runner.graphs is not first
+    assert tr.graphs.recaptures == 2 and tr.llm.runner.graphs is not first
     assert tr.llm.runner.graphs.graph_cls is StaticReplay and rec["gen_tokens"] > 0
 
 

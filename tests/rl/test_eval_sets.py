@@ -13,9 +13,9 @@ from rlengine.config import ConfigError
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.config import EvalSection, load_config
 from rlengine.rl.distributed import Dist
-from rlengine.rl.evaluation import EvalSet, Evaluator
-from rlengine.rl.reward_pool import InlineRunner
-from rlengine.rl.tasks import Problem
+from rlengine.rl.rollout.evaluation import EvalSet, Evaluator
+from rlengine.rl.data.reward_pool import InlineRunner
+from rlengine.rl.data.tasks import Problem
 from rlengine.rl.trainer import Trainer
 
 

@@ -13,8 +13,8 @@ import pytest
 
 from rlengine.config import ConfigError
 from rlengine.rl.config import load_config
-from rlengine.rl.rewards import final_answer_format, get_reward
-from rlengine.rl.tasks import build_task, gsm8k_row
+from rlengine.rl.data.rewards import final_answer_format, get_reward
+from rlengine.rl.data.tasks import build_task, gsm8k_row
 from rlengine.rl.trainer import Trainer
 
 from tests.support.text_ckpt import build_text_checkpoint, checkpoint_with_eos
@@ -121,7 +121,7 @@ def test_plain_prompts_get_the_tokenizers_special_tokens_like_transformers(tmp_p
 
     import transformers
     from rlengine.model.tokenizer import Tokenizer
-    from rlengine.rl.prompts import PromptEncoder
+    from rlengine.rl.data.prompts import PromptEncoder
 
     base = build_text_checkpoint(tmp_path / "base", chat_template=None)
     tok = Tokenizer.from_pretrained(base.path)

@@ -8,10 +8,10 @@ import torch
 from rlengine import LLM, SamplingParams
 from rlengine.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.rl.batching import TrainBatch, grpo_batch, pack
+from rlengine.rl.learner.batching import TrainBatch, grpo_batch, pack
 from rlengine.rl.config import TrainSection
-from rlengine.rl.learner import Learner, token_logprobs
-from rlengine.rl.rollout import RolloutGroup
+from rlengine.rl.learner.learner import Learner, token_logprobs
+from rlengine.rl.types import RolloutGroup
 
 
 def _model(name="tiny", seed=0):

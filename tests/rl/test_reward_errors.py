@@ -12,10 +12,11 @@ from rlengine import LLM, SamplingParams
 from rlengine.config import ConfigError, preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
-from rlengine.rl import rewards
-from rlengine.rl.rewards import RewardError, RewardScorer, get_reward, score_outputs
-from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector
-from rlengine.rl.tasks import Problem, Task, build_task
+from rlengine.rl.data import rewards
+from rlengine.rl.data.rewards import RewardError, get_reward
+from rlengine.rl.data.scoring import RewardScorer, score_outputs
+from rlengine.rl.rollout.collector import CollectStats, PrioritySampler, RolloutCollector
+from rlengine.rl.data.tasks import Problem, Task, build_task
 
 G, P = 8, 16                    # 128 responses per batch: 1 failure is 0.8% (< 1%), 3 are 2.3%
 PROBLEMS = [Problem(f"{i}:", str(i % 10)) for i in range(20)]

@@ -20,9 +20,10 @@ import rlengine
 
 from rlengine.config import ConfigError
 from rlengine.rl.config import load_config
-from rlengine.rl import reward_pool
-from rlengine.rl.reward_pool import InlineRunner, RewardPool, make_runner
-from rlengine.rl.rewards import RewardCall, RewardError, RewardScorer, resolve_reward
+from rlengine.rl.data import reward_pool
+from rlengine.rl.data.reward_pool import InlineRunner, RewardPool, make_runner
+from rlengine.rl.data.rewards import RewardCall, RewardError, resolve_reward
+from rlengine.rl.data.scoring import RewardScorer
 from rlengine.rl.trainer import Trainer
 
 PLUGIN = textwrap.dedent('''
@@ -178,8 +179,8 @@ def test_process_with_a_hung_worker_exits(plugin, tmp_path):
     script.write_text(textwrap.dedent(f'''
         import sys
         sys.path[:0] = [{str(Path(sys.modules[plugin].__file__).parent)!r}, {str(Path(rlengine.__file__).parents[1])!r}]
-        from rlengine.rl.reward_pool import RewardPool
-        from rlengine.rl.rewards import RewardCall
+        from rlengine.rl.data.reward_pool import RewardPool
+        from rlengine.rl.data.rewards import RewardCall
         if __name__ == "__main__":
             pool = RewardPool("{plugin}:multi", workers=1, timeout=600.0)
             pool.submit([RewardCall("", "", "", {{"mode": "hang"}})])

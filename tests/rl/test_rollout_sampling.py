@@ -9,8 +9,8 @@ from rlengine.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.config import TrainSection
-from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector
-from rlengine.rl.tasks import Problem, Task
+from rlengine.rl.rollout.collector import CollectStats, PrioritySampler, RolloutCollector
+from rlengine.rl.data.tasks import Problem, Task
 
 
 @pytest.mark.parametrize("rule,expected", [("sqrt", 2 ** 0.5 * 1e-3), ("linear", 2e-3), ("none", 1e-3)])

@@ -9,12 +9,12 @@ import torch
 
 from rlengine.config import ConfigError, preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.rl.batching import grpo_batch, pack
+from rlengine.rl.learner.batching import grpo_batch, pack
 from rlengine.rl.config import TrainSection, load_config
-from rlengine.rl.learner import Learner
-from rlengine.rl.overlong import shape_overlong, soft_overlong_penalty
-from rlengine.rl.rollout import RolloutGroup
-from rlengine.rl.schedule import lr_factor
+from rlengine.rl.learner.learner import Learner
+from rlengine.rl.algo.overlong import shape_overlong, soft_overlong_penalty
+from rlengine.rl.types import RolloutGroup
+from rlengine.rl.algo.schedule import lr_factor
 from rlengine.rl.trainer import Trainer
 
 from tests.support.short_runs import short_run_config

@@ -7,8 +7,8 @@ from rlengine import LLM, SamplingParams
 from rlengine.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
-from rlengine.rl.rollout import CollectStats, PrioritySampler, RolloutCollector
-from rlengine.rl.tasks import Problem, Task
+from rlengine.rl.rollout.collector import CollectStats, PrioritySampler, RolloutCollector
+from rlengine.rl.data.tasks import Problem, Task
 
 G, P, B_GEN = 4, 2, 32
 

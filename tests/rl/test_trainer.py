@@ -8,8 +8,8 @@ import torch
 from rlengine.cli import main
 from rlengine.config import ConfigError
 from rlengine.rl.config import load_config
-from rlengine.rl.rewards import RewardError, register_reward
-from rlengine.rl.tasks import DatasetError, build_task, read_jsonl
+from rlengine.rl.data.rewards import RewardError, register_reward
+from rlengine.rl.data.tasks import DatasetError, build_task, read_jsonl
 from rlengine.rl.trainer import Trainer
 
 from tests.support.short_runs import SHORT_RUN, short_run_config

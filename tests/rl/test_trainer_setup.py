@@ -11,8 +11,9 @@ import torch
 
 from rlengine.cli import main
 from rlengine.config import ConfigError
-from rlengine.rl.config import load_config, resume_config
-from rlengine.rl.tasks import DatasetError
+from rlengine.rl.config import load_config
+from rlengine.rl.trainer.run_dir import resume_config
+from rlengine.rl.data.tasks import DatasetError
 from rlengine.rl.trainer import Trainer
 
 SMALL = ["--warmstart.steps", "30", "--train.updates", "2", "--train.prompts_per_step", "4",

@@ -9,9 +9,9 @@ different points, a few ulps (2^-8 relative for bf16) of the hidden state after 
 import torch
 
 from rlengine import LLM, SamplingParams
-from rlengine.rl.batching import grpo_batch
-from rlengine.rl.learner import token_logprobs
-from rlengine.rl.rollout import RolloutGroup
+from rlengine.rl.learner.batching import grpo_batch
+from rlengine.rl.learner.learner import token_logprobs
+from rlengine.rl.types import RolloutGroup
 
 MAX_LOW, MEAN_LOW = 2 ** -6, 2 ** -9
 

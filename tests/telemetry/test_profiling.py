@@ -119,10 +119,10 @@ def test_engine_step_emits_its_phase_ranges():
 
 
 def test_learner_update_emits_its_phase_ranges():
-    from rlengine.rl.batching import grpo_batch
+    from rlengine.rl.learner.batching import grpo_batch
     from rlengine.rl.config import TrainSection
-    from rlengine.rl.learner import Learner
-    from rlengine.rl.rollout import RolloutGroup
+    from rlengine.rl.learner.learner import Learner
+    from rlengine.rl.types import RolloutGroup
 
     llm, outs = _engine_outputs()
     learner = Learner(llm.model, TrainSection(prompts_per_step=2, group_size=2, lr=1e-9))

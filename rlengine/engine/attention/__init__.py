@@ -19,7 +19,7 @@ def resolve_backend(name: str, device: torch.device) -> type[AttentionBackend]:
 
     FlashInfer is opt-in (attention_backend="flashinfer"): `auto` picks only backends the test
     suite checks against the torch oracle, and FlashInfer has had no such GPU run yet
-    (tests/test_engine_gpu.py runs it when flashinfer is installed).
+    (tests/gpu/test_engine_sync_and_backends_gpu.py runs it when flashinfer is installed).
     Raises ValueError naming the backend and why it cannot run on this machine.
     """
     if name == "auto":

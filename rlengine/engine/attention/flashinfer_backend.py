@@ -6,7 +6,7 @@ tensors it would copy them back, two syncs per step), kv_indices as the device v
 graphs each batch bucket gets its own wrapper built with use_cuda_graph=True over the bucket's
 fixed page-table buffers (FlashInfer's own graph mode), re-planned outside the graph before every
 replay. Opt-in (attention_backend="flashinfer"; `auto` never picks it) until a GPU run has checked
-it against the torch oracle: tests/test_engine_gpu.py does when flashinfer is installed.
+it against the torch oracle: tests/gpu/test_engine_sync_and_backends_gpu.py does when flashinfer is installed.
 """
 
 from __future__ import annotations

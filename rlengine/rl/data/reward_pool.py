@@ -23,7 +23,8 @@ from collections import deque
 from multiprocessing.connection import wait as wait_connections
 
 from rlengine.config import ConfigError
-from rlengine.rl.rewards import RewardCall, RewardFn, RewardOutcome, _takes_four, call_reward, resolve_reward
+from rlengine.rl.data.rewards import (RewardCall, RewardFn, RewardOutcome, _takes_four, call_reward, importable_spec,
+                                      resolve_reward)
 
 IMPORT_TIMEOUT_S = 120.0  # a spawned worker that has not imported the reward by then is a config error
 
@@ -256,8 +257,6 @@ def make_runner(reward_fn: RewardFn, spec: str, *, workers: int, timeout: float)
     """
     if workers == 0:
         return InlineRunner(reward_fn)
-    from rlengine.rl.rewards import importable_spec
-
     child_spec = spec if ":" in spec else importable_spec(reward_fn)
     if child_spec is None:
         raise ConfigError(f"task.reward_workers = {workers}: the reward {spec or reward_fn!r} cannot be imported "

@@ -23,7 +23,7 @@ from typing import Callable
 from pathlib import Path
 
 from rlengine.config import ConfigError
-from rlengine.rl.rewards import RewardFn, get_reward, resolve_reward
+from rlengine.rl.data.rewards import RewardFn, get_reward, resolve_reward
 
 
 @dataclass(slots=True, frozen=True)

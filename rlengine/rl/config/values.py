@@ -1,6 +1,6 @@
 """Typed config values: how a TOML / JSON / command-line value becomes its field's declared type.
 
-rl/config.py's sections declare their fields' types; from_dict runs every value through `typed`
+sections.py's dataclasses declare their fields' types; from_dict runs every value through `typed`
 before the section's __post_init__ checks ranges, and load_config parses override text with
 `parse_value`. The rules: a bool is not an int, an int is accepted for a float (finite only), a
 list becomes a tuple for tuple fields, a field declared str keeps its text as typed

@@ -76,3 +76,11 @@ def samples_rows(groups, advantages: list[float], tok, *, update: int, n: int) -
                          "loss_weight": g.loss_weights[i] if g.loss_weights else 1.0})
             b += 1
     return rows
+
+
+def write_samples(outputs: RunOutputs, groups, batch, tok, *, update: int, n: int, dist) -> None:
+    """samples.jsonl rows of this update's responses (every rank's, gathered on rank 0)."""
+    advantages = [float(batch.advantages[e - 1]) for e in batch.cu_seqlens[1:]]  # a response's last token
+    rows = samples_rows(groups, advantages, tok, update=update, n=n)
+    rows = [r for part in dist.all_gather_objects(rows) for r in part] if dist.enabled else rows
+    outputs.samples(rows)

@@ -247,3 +247,30 @@ def load_checkpoint(path: Path, *, model, learner) -> dict:
             _load_masters(path / "critic_master.safetensors", learner.critic, critic_masters)
         _optim_from_files(learner.critic_opt, tensors, metas["critic"], "critic", model.device)
     return json.loads((path / "state.json").read_text())
+
+
+def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collector, sampler, dist) -> Path:
+    """Checkpoint a run at an update boundary: the weights, the learner's state and everything the
+    loop needs to continue as if never stopped (counters, prompt sampler, torch and engine RNGs).
+    Async in-flight rollouts are drained, not saved: they are regenerated after a resume."""
+    collector.drain()
+    state = {"update": update, "N": n, "weight_version": llm.weight_version,
+             "sampler": sampler.state_dict(), "torch_rng": torch.get_rng_state().tolist(),
+             "engine_rng": llm.runner.sampler.generator.get_state().tolist(),
+             "ready": len(collector.ready), "next_request": collector.next_request, "world_size": dist.world}
+    collector.ready.clear()
+    with dist.unsharded(*(m for m in (model, learner.ref, learner.critic) if m is not None)):
+        path = save_checkpoint(run_dir, update, model=model, learner=learner, state=state, write=dist.is_main)
+    dist.barrier()  # no rank resumes or exits before the checkpoint is complete
+    return path
+
+
+def resume_run(resume_dir: Path, *, model, learner, llm, collector, sampler) -> tuple[int, int]:
+    """Load RESUME_DIR's latest checkpoint into a freshly built run; returns (update, N)."""
+    state = load_checkpoint(latest_checkpoint(resume_dir), model=model, learner=learner)
+    collector.next_request = state.get("next_request", 0)
+    llm.weight_version = state["weight_version"]
+    sampler.load_state_dict(state["sampler"])
+    torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+    llm.runner.sampler.generator.set_state(torch.tensor(state["engine_rng"], dtype=torch.uint8))
+    return state["update"], state["N"]

@@ -29,30 +29,11 @@ from typing import Callable
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.distributed import Dist
-from rlengine.rl.reward_pool import InlineRunner
-from rlengine.rl.rewards import RewardCall, RewardScorer
-from rlengine.rl.tasks import Problem, Task
-
-
-@dataclass(slots=True)
-class RolloutGroup:
-    """G responses to one prompt, scored."""
-
-    problem_index: int                  # index in task.train
-    prompt_ids: list[int]
-    completions: list[list[int]]        # [G] generated token ids
-    logprobs: list[list[float]]         # [G] behaviour log-probs per generated token
-    rewards: list[float]                # [G]
-    versions: list[list[int]]           # [G] weight version that sampled each token
-    finish_reasons: list[str]
-    routing_ids: list = field(default_factory=list)   # [G] tensors [len-1, L_moe, K] or empty
-    reward_errors: int = 0
-    scores: list[float] = field(default_factory=list)        # [G] task rewards before shaping ([] = rewards)
-    loss_weights: list[float] = field(default_factory=list)  # [G] 0 excludes a response from the loss; [] = all 1
-
-    def lag(self, version: int) -> int:
-        """Policy lag: updates between the oldest token of the group and the consuming update."""
-        return version - min((min(v) for v in self.versions if v), default=version)
+from rlengine.rl.types import RolloutGroup
+from rlengine.rl.data.reward_pool import InlineRunner
+from rlengine.rl.data.rewards import RewardCall
+from rlengine.rl.data.scoring import RewardScorer
+from rlengine.rl.data.tasks import Problem, Task
 
 
 class PrioritySampler:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from rlengine.engine import SamplingParams
 from rlengine.rl.config import EvalSection
-from rlengine.rl.rewards import RewardScorer, score_samples
-from rlengine.rl.rollout import request_seed
-from rlengine.rl.tasks import Problem, Task, data_path, read_jsonl
+from rlengine.rl.data.scoring import RewardScorer, score_samples
+from rlengine.rl.rollout.collector import request_seed
+from rlengine.rl.data.tasks import Problem, Task, data_path, read_jsonl
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ through the fused Triton kernel on GPU and its torch reference on CPU. The learn
 reports how far its recomputed log-probs are from the engine's behaviour log-probs.
 A non-finite loss or gradient skips the update (reported), leaving weights and optimizer intact.
 Precision: with a bf16 model the optimizer steps fp32 master weights and writes the rounded
-result into the shared parameters in place (rlengine/rl/optim.py).
+result into the shared parameters in place (rlengine/rl/algo/optim.py).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import math
 import torch
 
 from rlengine.model.qwen3 import Qwen3ForCausalLM, logits_fp32
-from rlengine.rl.advantages import gae
-from rlengine.rl.batching import TrainBatch
+from rlengine.rl.algo.advantages import gae
+from rlengine.rl.learner.batching import TrainBatch
 from rlengine.rl.config import TrainSection
-from rlengine.rl.losses import kl_k3, masked_aggregate, policy_loss, value_loss
+from rlengine.rl.algo.losses import kl_k3, masked_aggregate, policy_loss, value_loss
 from rlengine.rl.distributed import Dist, full_tensor
-from rlengine.rl.optim import LearnerOptimizer, use_master_weights
-from rlengine.rl.value import ValueModel
+from rlengine.rl.algo.optim import LearnerOptimizer, use_master_weights
+from rlengine.rl.algo.value import ValueModel
 from rlengine.telemetry.nvtx import PhaseRanges
 
 
@@ -37,7 +37,7 @@ def token_logprobs(module, mb: TrainBatch, temperature: float, fused: bool):
 
     `module` is the model or its DDP / FSDP wrapper: the call goes through its forward(), so the
     wrappers' hooks run. The learner's forward is the differentiable torch path (fast=False); it
-    agrees with the engine's fused inference path to rounding (tests/test_logprob_parity.py).
+    agrees with the engine's fused inference path to rounding (tests/rl/test_logprob_parity.py).
     """
     if fused:
         from rlengine.kernels.fused_logprob import fused_logprob as fn
@@ -93,7 +93,7 @@ class Learner:
                                                  betas=cfg.betas, weight_decay=cfg.weight_decay, masters=masters)
 
     def set_lr_factor(self, factor: float) -> None:
-        """LR of the next step(s) = lr_effective * factor (critic: * critic_lr_mult); rlengine/rl/schedule.py."""
+        """LR of the next step(s) = lr_effective * factor (critic: * critic_lr_mult); rlengine/rl/algo/schedule.py."""
         for group in self.opt.param_groups:
             group["lr"] = self.cfg.lr_effective * factor
         if self.critic_optim is not None:

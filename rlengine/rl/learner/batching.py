@@ -4,7 +4,7 @@ Each response becomes one packed sequence: input = prompt + completion[:-1] (the
 token is never an input), target = the next token at every position, loss mask = 1 on the
 positions that predict completion tokens. Behaviour log-probs from the engine and the
 advantages are laid on the same positions. Micro-batches are contiguous runs of whole
-sequences; every loss is normalised by the FULL batch's count (rlengine/rl/losses.py), so
+sequences; every loss is normalised by the FULL batch's count (rlengine/rl/algo/losses.py), so
 accumulating micro-batch gradients gives exactly the full-batch gradient.
 Dimension legend: T packed tokens, B sequences (= B_train responses), P prompts, G group size.
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rlengine.rl.advantages import grpo_advantages
-from rlengine.rl.rollout import RolloutGroup
+from rlengine.rl.algo.advantages import grpo_advantages
+from rlengine.rl.types import RolloutGroup
 
 
 @dataclass(slots=True, kw_only=True)

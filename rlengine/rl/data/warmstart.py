@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
-from rlengine.rl.tasks import Task
+from rlengine.rl.data.tasks import Task
 
 
 def format_warmstart(model: Qwen3ForCausalLM, tok: Tokenizer, task: Task, *, steps: int, lr: float, batch: int,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from rlengine.config import ConfigError
 from rlengine.model.tokenizer import Tokenizer
-from rlengine.rl.tasks import Task
+from rlengine.rl.data.tasks import Task
 
 
 class PromptEncoder:

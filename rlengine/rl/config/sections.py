@@ -1,6 +1,4 @@
-"""RL job configuration: plain dataclasses per section, TOML files and dotted overrides.
-
-    rlengine train --config grpo.toml --train.b_train 256 --gen.b_gen 512
+"""The RL job's settings: one plain dataclass per TOML section, and TrainConfig holding them.
 
 Every value is first checked against its field's declared type (config_values.typed: a bool is not an int,
 an int is accepted for a float, a list becomes a tuple), then validated in __post_init__ with a
@@ -13,13 +11,11 @@ B_train = P * G retained responses per optimizer update: set either train.prompt
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from rlengine.config import ConfigError
-from rlengine.rl.config_values import parse_value, typed
+from rlengine.rl.config.values import typed
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -71,7 +67,7 @@ class TaskSection:
         _check(not self.system_prompt or self.chat_template,
                "task.system_prompt needs task.chat_template = true (a system message exists only in a chat)")
         if ":" in self.reward:  # a plugin: import it now, so a bad spec stops the job before anything is built
-            from rlengine.rl.rewards import load_plugin
+            from rlengine.rl.data.rewards import load_plugin
 
             load_plugin(self.reward)
 
@@ -306,96 +302,3 @@ class TrainConfig:
 
 _SECTION_TYPES = {"model": ModelSection, "task": TaskSection, "gen": GenSection, "train": TrainSection,
                   "warmstart": WarmStartSection, "eval": EvalSection, "run": RunSection}
-
-
-def packaged_config(path: str | Path) -> Path:
-    """A --config value as a file: the path itself when it exists, else a bare name (no suffix, no
-    directory) of a config shipped in rlengine/configs ("gsm8k" -> rlengine/configs/gsm8k.toml)."""
-    path = Path(path)
-    if path.is_file() or path.suffix or len(path.parts) != 1:
-        return path
-    from importlib import resources
-
-    shipped = Path(str(resources.files("rlengine") / "configs" / f"{path}.toml"))
-    if not shipped.is_file():
-        names = sorted(p.stem for p in shipped.parent.glob("*.toml"))
-        raise ConfigError(f"config {str(path)!r}: no such file, and no packaged config of that name "
-                          f"(packaged: {', '.join(names)})")
-    return shipped
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                base: dict | None = None) -> TrainConfig:
-    """TOML file (or a `base` dict, e.g. a run's saved config) + dotted overrides
-    ["--train.b_train", "256", "--gen.b_gen=512", ...]."""
-    data: dict = {k: dict(v) if isinstance(v, dict) else v for k, v in (base or {}).items()}  # from_dict checks
-    if path:
-        path = packaged_config(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
-        try:
-            data = tomllib.loads(path.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{path}: invalid TOML ({exc})") from None
-    for key, value in _split_overrides(overrides or []):
-        section, name = key.split(".", 1)
-        _check(isinstance(data.setdefault(section, {}), dict),
-               f"--{key}: config section [{section}] is not a table ({data[section]!r})")
-        declared = typing.get_type_hints(_SECTION_TYPES[section]) if section in _SECTION_TYPES else {}
-        data[section][name] = parse_value(value, declared.get(name))
-    return TrainConfig.from_dict(data)
-
-
-def _split_overrides(args: list[str]) -> list[tuple[str, str]]:
-    """["--a.b", "1", "--c.d=x"] -> [("a.b", "1"), ("c.d", "x")]; malformed ones are ConfigErrors."""
-    pairs, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        key, eq, value = arg[2:].partition("=")
-        _check(arg.startswith("--") and "." in key, f"override {arg!r} must look like --section.key VALUE")
-        if not eq:
-            _check(i + 1 < len(args), f"override --{key} needs a value")
-            i += 1
-            value = args[i]
-        pairs.append((key, value))
-        i += 1
-    return pairs
-
-
-# Overrides a resumed run accepts: they change how long it runs, how it is evaluated, logged and
-# saved, never what an update computes. Any other override on --resume is an error.
-RESUME_OVERRIDABLE = ("train.updates", "eval.*", "run.checkpoint_every", "run.progress", "run.out_dir",
-                      "run.samples_every", "run.tensorboard")
-
-
-def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-    """The saved config of RUN_DIR (config.json) with the overrides a resume allows (RESUME_OVERRIDABLE).
-
-    run.out_dir defaults to RUN_DIR itself, so a resumed run reads its checkpoint from and writes
-    its metrics to the directory it was given, wherever it was first started.
-    """
-    import json
-
-    run_dir = Path(run_dir)
-    saved = run_dir / "config.json"
-    if not saved.is_file():
-        raise ConfigError(f"--resume {run_dir}: no config.json there (not a run directory)")
-    overrides = list(overrides or [])
-    for key, _ in _split_overrides(overrides):
-        section = key.split(".", 1)[0]
-        _check(key in RESUME_OVERRIDABLE or f"{section}.*" in RESUME_OVERRIDABLE,
-               f"--{key} cannot change on --resume (it would change what the run computes); "
-               f"allowed: {', '.join(RESUME_OVERRIDABLE)}")
-    from rlengine.rl.checkpoint import latest_checkpoint
-
-    try:
-        latest_checkpoint(run_dir)
-        base = json.loads(saved.read_text())
-    except FileNotFoundError as exc:
-        raise ConfigError(f"--resume: {exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--resume {run_dir}: {saved} is not valid JSON ({exc})") from None
-    _check(isinstance(base, dict), f"--resume {run_dir}: {saved} is not a config object")
-    _check(isinstance(base.setdefault("run", {}), dict), f"--resume {run_dir}: {saved} has no [run] table")
-    base["run"]["out_dir"] = str(run_dir)
-    return load_config(None, overrides, base=base)

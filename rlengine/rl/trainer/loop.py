@@ -1,0 +1,199 @@
+"""Trainer: the RL loop of `rlengine train` — collect, update, evaluate, record, checkpoint.
+
+One process, one model: the engine (LLM) decodes with the learner's parameters, and an
+optimizer step is visible at the next decode step with no copy. The job's parts are built by
+parts.py; each update boundary appends one record (record.py) to RUN_DIR/metrics.jsonl
+(run_outputs.py also writes samples.jsonl and TensorBoard files). Evaluation
+(rollout/evaluation.py) uses a second LLM over the SAME module, so in-flight partial rollouts of
+the training engine are never disturbed. Rewards run through one reward runner per job
+(data/reward_pool.py: in this process or a spawned pool), closed when run() returns or raises.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+from rlengine.rl.algo.overlong import shape_overlong
+from rlengine.rl.algo.schedule import lr_factor
+from rlengine.rl.config import TrainConfig
+from rlengine.rl.data.warmstart import format_warmstart
+from rlengine.rl.distributed import Dist, init_from_env
+from rlengine.rl.learner.batching import grpo_batch, ppo_batch
+from rlengine.rl.learner.learner import Learner
+from rlengine.rl.rollout.collector import CollectStats
+from rlengine.rl.trainer.checkpoint import resume_run, save_run
+from rlengine.rl.trainer.graphs import EngineGraphs
+from rlengine.rl.trainer.parts import build_parts
+from rlengine.rl.trainer.progress import Progress
+from rlengine.rl.trainer.record import UpdateTimes, update_record, write_telemetry
+from rlengine.rl.trainer.run_dir import keep_metrics_through
+from rlengine.rl.trainer.run_outputs import RunOutputs, write_samples
+from rlengine.telemetry.nvml import NvmlSampler
+from rlengine.telemetry.profiler import ProfileWindow, step_profiler
+from rlengine.telemetry.records import build_boundary_record
+from rlengine.telemetry.timers import PhaseTimer
+
+
+def eval_due(cfg: TrainConfig, update: int, n_before: int, n: int) -> bool:
+    """After an update: every eval.every updates, or each time N crosses a multiple of
+    eval.every_responses (the same N grid for every B_train), and at the end."""
+    e = cfg.eval
+    if update == cfg.train.updates:
+        return True
+    if e.every_responses > 0:
+        return n // e.every_responses > n_before // e.every_responses
+    return update % e.every == 0
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, resume_from: str | Path | None = None,
+                 dist: Dist | None = None, profile: str | Path | None = None, profile_window: str = "1:2"):
+        """resume / resume_from: continue from the latest checkpoint of `resume_from` (default: run.out_dir);
+        metrics go to run.out_dir either way. dist: this rank (default: from torchrun's environment).
+        profile: a directory for a torch.profiler trace of the RL updates in profile_window (START:STOP)."""
+        self.cfg, self.profile = cfg, (profile, ProfileWindow.parse(profile_window))  # (out dir, window)
+        self.dist = dist if dist is not None else init_from_env()
+        self.dist.check_same("config", cfg.to_dict())
+        self.run_dir = Path(cfg.run.out_dir)
+        self.resume_dir = Path(resume_from) if resume_from is not None else (self.run_dir if resume else None)
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.parts = p = build_parts(cfg, self.dist)
+        self.model, self.tok, self.task, self.llm, self.eval_llm = p.model, p.tok, p.task, p.llm, p.eval_llm
+        self.sampler, self.rewards, self.collector, self.memory_plan = p.sampler, p.rewards, p.collector, p.memory_plan
+        self.outputs = RunOutputs(self.run_dir, tensorboard=cfg.run.tensorboard, write=self.dist.is_main)
+        self.update, self.N, self.history = 0, 0, []
+        self.telemetry = NvmlSampler.for_device(self.model.device)  # the GPU this rank uses, if any
+        self.timer = PhaseTimer(self.model.device)  # t_gen / t_train; syncs only at phase ends
+        self.llm.phase_listener = self.telemetry
+        self.warmstart_losses: list[float] = []
+        if self.resume_dir is None:
+            if self.dist.is_main:
+                (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+                self.outputs.reset()
+            w = cfg.warmstart
+            self.warmstart_losses = format_warmstart(self.model, self.tok, self.task, steps=w.steps, lr=w.lr,
+                                                     batch=w.batch, seed=cfg.run.seed, encode_prompt=p.encode)
+        # Built after the warm start: the KL reference and the PPO critic start from the policy at
+        # update 0, not from the random initialisation (on resume, the checkpoint restores both).
+        g = cfg.gen
+        self.learner = Learner(self.model, cfg.train, temperature=g.temperature, replay_routing=g.record_routing,
+                               logprobs_mode=g.logprobs_mode, top_k=g.top_k, top_p=g.top_p, dist=self.dist)
+        if self.resume_dir is not None:
+            self._resume()
+        # GPU: capture decode graphs now, not inside timed steps, on the parameters the engine reads
+        self.graphs = EngineGraphs(self.model, (self.llm, self.eval_llm))
+        with self.dist.unsharded(self.model):
+            self.graphs.refresh()
+
+    def evaluate(self) -> float:
+        """J: the primary eval set's mean@k; every set's mean@k and pass@k go to self.eval_metrics.
+        Eval prompt i runs on rank i mod K with seed request_seed(run seed + 1, i)."""
+        with self.dist.unsharded(self.model):
+            self.graphs.refresh()
+            self.eval_metrics = self.parts.evaluator.run()
+        return self.eval_metrics["J"]
+
+    def train_step(self) -> dict:
+        """One update: collect B_train responses, shape, batch, one learner step; returns its record."""
+        t, llm, dist = self.cfg.train, self.llm, self.dist
+        stats, trace_start = CollectStats(), len(llm.trace)
+        preempt0, recompute0 = llm.scheduler.num_preemptions, llm.scheduler.num_recomputed_tokens
+        self.timer.reset()
+        with self.timer.phase("gen"), dist.unsharded(self.model):  # FSDP: decode from full weights
+            self.graphs.refresh()
+            groups = self.collector.collect(stats)
+        overlong, penalty = shape_overlong(groups, t.overlong, max_tokens=self.cfg.gen.max_tokens,
+                                           buffer=t.overlong_buffer)
+        self.learner.set_lr_factor(lr_factor(self.update, schedule=t.lr_schedule, warmup=t.warmup_updates,
+                                             total=t.updates, min_ratio=t.min_lr_ratio))
+        # PPO: every response of every group enters the update; the critic scores each
+        batch = (grpo_batch(groups, normalize_std=t.normalize_std) if t.algo == "grpo" else ppo_batch(groups))
+        batch = batch.to(self.model.device)
+        critic_only = t.algo == "ppo" and self.update < t.critic_warmup
+        with self.timer.phase("train"):
+            m = self.learner.step(batch, critic_only=critic_only, phases=self.telemetry)
+        self.telemetry.set_phase("idle")
+        rank_times = [self.timer.total("gen"), self.timer.total("train")]
+        times = UpdateTimes(*rank_times, *dist.all_max(rank_times))  # the ranks' slowest gates the update
+        if not m["skipped"] and not critic_only:
+            llm.weight_version += 1
+        self.N += 0 if critic_only else t.b_train
+        self.update += 1
+        boundary = build_boundary_record(llm.trace[trace_start:], responses=t.b_train, t_gen=times.t_gen,
+                                         t_train=times.t_train,
+                                         preemptions=llm.scheduler.num_preemptions - preempt0,
+                                         recomputed_tokens=llm.scheduler.num_recomputed_tokens - recompute0)
+        consumed = llm.weight_version - (0 if m["skipped"] or critic_only else 1)
+        if self.cfg.run.samples_every and self.update % self.cfg.run.samples_every == 0:
+            write_samples(self.outputs, groups, batch, self.tok, update=self.update, n=self.N, dist=dist)
+        if m["skipped"] and dist.is_main:
+            print(f"update {self.update}: non-finite loss or gradient, update skipped (weights unchanged)")
+        return update_record(update=self.update, n=self.N, critic_only=critic_only, b_train=t.b_train, stats=stats,
+                             m=m, times=times, boundary=boundary, groups=groups, num_seqs=batch.num_seqs,
+                             consumed=consumed, overlong=overlong, penalty=penalty, soft_overlong=t.overlong == "soft",
+                             lr=self.learner.opt.param_groups[0]["lr"], dist=dist)
+
+    def run(self, stop_after: int | None = None, stop_when=None) -> list[dict]:
+        """Train until train.updates (or `stop_after` updates, for tests); checkpoint at the end.
+
+        stop_when(record) -> bool, checked after each logged update, ends the run early (e.g. the
+        tuner stops a curve at its first evaluation with J >= J*); self.stopped_early says so.
+        """
+        self.stopped_early, cfg = False, self.cfg
+        last = min(cfg.train.updates, stop_after) if stop_after else cfg.train.updates
+        try:
+            if self.update == 0:
+                self._log({"update": 0, "N": 0, "J": self.evaluate(), **self._eval_record()})
+            self._loop(last, stop_when)
+            self.checkpoint()
+        finally:  # a reward pool's workers never outlive the run, whatever ended it
+            self.rewards.close()
+            self.outputs.close()
+        return self.history
+
+    def _loop(self, last: int, stop_when) -> None:
+        cfg, (out, window) = self.cfg, self.profile
+        profiler = step_profiler(out if self.dist.is_main else None, name="train", window=window,
+                                 device=self.model.device, ranges=[self.llm.ranges, self.learner.ranges])
+        self.telemetry.start()
+        progress = Progress(cfg.train.updates, start=self.update, enabled=cfg.run.progress and self.dist.is_main)
+        with profiler, progress as bar:
+            while self.update < last:
+                n_before = self.N
+                record = self.train_step()
+                if eval_due(cfg, self.update, n_before, self.N):
+                    record["J"] = self.evaluate()
+                    record.update(self._eval_record())
+                self._log(record)
+                bar.advance(record)
+                if stop_when is not None and stop_when(record):
+                    self.stopped_early = True
+                    break
+                if cfg.run.checkpoint_every and self.update % cfg.run.checkpoint_every == 0:
+                    self.checkpoint()
+                profiler.step()  # one profiler step = one RL update (collect, update, eval, log)
+        if profiler.trace_path:
+            print(f"profile of updates {window.start}..{window.stop - 1}: {profiler.trace_path} {profiler.note}")
+        self.telemetry.stop()
+        write_telemetry(self.telemetry, self.history, b_train=cfg.train.b_train, dist=self.dist, run_dir=self.run_dir)
+
+    def _eval_record(self) -> dict:
+        """The last evaluation's fields of a metrics record (J itself is set by the caller)."""
+        return {k: v for k, v in self.eval_metrics.items() if k != "J"}
+
+    def _log(self, record: dict) -> None:
+        self.history.append(record)
+        self.outputs.log(record)
+
+    def checkpoint(self) -> Path:
+        return save_run(self.run_dir, update=self.update, n=self.N, model=self.model, learner=self.learner,
+                        llm=self.llm, collector=self.collector, sampler=self.sampler, dist=self.dist)
+
+    def _resume(self) -> None:
+        self.update, self.N = resume_run(self.resume_dir, model=self.model, learner=self.learner, llm=self.llm,
+                                         collector=self.collector, sampler=self.sampler)
+        self.history = keep_metrics_through(self.resume_dir, self.run_dir, self.update, self.cfg, self.outputs,
+                                            self.dist)

@@ -1,0 +1,128 @@
+"""The parts of a training job, built from its TrainConfig: model, tokenizer, task, engines, rewards.
+
+build_parts() is everything the loop needs before the warm start: the model and its tokenizer
+(with every EOS id of a checkpoint), the task and its eval sets, the rollout and eval engines
+(one KV pool, sized from the memory plan on CUDA), the prompt sampler, the reward runner, the
+rollout collector and the evaluator. The learner is built by the loop after the warm start, so
+its KL reference and critic start from the policy at update 0.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlengine.config import ConfigError
+from rlengine.engine import LLM, SamplingParams
+from rlengine.model.factory import build_model, default_device, tokenizer_for
+from rlengine.model.qwen3 import Qwen3ForCausalLM
+from rlengine.model.tokenizer import Tokenizer
+from rlengine.rl.config import TrainConfig
+from rlengine.rl.data.prompts import PromptEncoder, check_job_prompts
+from rlengine.rl.data.reward_pool import make_runner
+from rlengine.rl.data.tasks import Task, build_task
+from rlengine.rl.distributed import Dist
+from rlengine.rl.rollout.collector import PrioritySampler, RolloutCollector
+from rlengine.rl.rollout.evaluation import EvalSet, Evaluator, build_eval_sets
+from rlengine.rl.trainer.memory import plan_for_config
+
+
+@dataclass(slots=True)
+class JobParts:
+    """One rank's share of a job, before the warm start and the learner."""
+
+    model: Qwen3ForCausalLM
+    tok: Tokenizer
+    task: Task
+    encode: PromptEncoder                 # prompt text -> ids, chat template applied when asked
+    eval_sets: list[EvalSet]
+    llm: LLM                              # the rollout engine (max_num_seqs = gen.b_gen)
+    eval_llm: LLM                         # the eval engine: the same module, the same KV pool
+    memory_plan: object | None            # analysis.memory_plan.MemoryPlan on CUDA, else None
+    sampler: PrioritySampler
+    rewards: object                       # reward_pool.InlineRunner or RewardPool: close() it
+    collector: RolloutCollector
+    evaluator: Evaluator
+
+
+def build_model_and_tokenizer(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCausalLM, Tokenizer]:
+    device = cfg.model.device if cfg.model.device != "auto" else str(default_device())
+    if device == "cuda" and dist.enabled:
+        device = f"cuda:{dist.local_rank}"  # one device per rank
+    moe_impl = cfg.model.moe_impl if cfg.model.moe_impl != "auto" else ("triton" if device == "cuda" else "ref")
+    model = build_model(cfg.model.name, dtype=cfg.model.dtype, device=device, moe_impl=moe_impl, seed=cfg.run.seed)
+    tok = tokenizer_for(cfg.model.name)
+    if tok.eos_token_id is None:
+        raise ConfigError(f"model.name {cfg.model.name!r}: the tokenizer has no EOS token (tokenizer_config.json "
+                          "eos_token or generation_config.json eos_token_id), so responses could never end")
+    if Path(str(cfg.model.name)).is_dir():  # a checkpoint: stop at its own EOS ids and the tokenizer's
+        eos = list(dict.fromkeys(model.config.eos_token_ids + list(getattr(tok, "eos_token_ids", None) or [])
+                                 + [tok.eos_token_id]))
+        model.config.eos_token_id = eos[0] if len(eos) == 1 else eos
+    else:  # a preset: the built-in tokenizer's <eos> is the only end
+        model.config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+def build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode, eval_sets, dist: Dist):
+    """The rollout engine and the eval engine (sharing one KV pool) sized for the job's longest prompt,
+    after checking every train and eval prompt fits; returns (llm, eval_llm, memory_plan or None)."""
+    g = cfg.gen
+    check_job_prompts(task, eval_sets if cfg.eval.sets else [], encode,
+                      max_position_embeddings=model.config.max_position_embeddings, max_tokens=g.max_tokens)
+    eval_problems = [p for es in eval_sets for p in es.problems]
+    max_len = max(len(encode(p.prompt)) for p in task.train + eval_problems) + g.max_tokens + 1
+    common = dict(block_size=g.block_size, max_model_len=min(max_len, model.config.max_position_embeddings),
+                  attention_backend=cfg.attention_backend, enforce_eager=g.enforce_eager)
+    eval_seqs = min(256, (len(eval_problems) if cfg.eval.sets else cfg.task.num_eval) * cfg.eval.k)
+    num_kv_blocks, memory_plan = g.num_kv_blocks or None, None
+    if num_kv_blocks is None and model.device.type == "cuda":
+        # one plan per device: training state + the learner's activations + a reserve; KV from the rest
+        total = torch.cuda.get_device_properties(model.device).total_memory
+        memory_plan = plan_for_config(cfg, device_bytes=total, max_model_len=common["max_model_len"],
+                                      world_size=dist.world)
+        num_kv_blocks = memory_plan.num_kv_blocks
+    elif num_kv_blocks is None:  # CPU: room for either engine at full length
+        num_kv_blocks = max(g.b_gen, eval_seqs) * -(-common["max_model_len"] // g.block_size)
+    llm = LLM(model, max_num_seqs=g.b_gen, num_kv_blocks=num_kv_blocks, seed=cfg.run.seed,
+              record_routing=g.record_routing, **common)
+    # the eval engine shares the rollout engine's KV pool: one cache per device, never a second one
+    eval_llm = LLM(model, max_num_seqs=eval_seqs, seed=cfg.run.seed + 1, kv_pool=llm.kv_pool, **common)
+    return llm, eval_llm, memory_plan
+
+
+def build_parts(cfg: TrainConfig, dist: Dist) -> JobParts:
+    """Everything but the learner, in the order the run's random streams expect: both seeded from
+    run.seed, then the model's initialisation first."""
+    g, t = cfg.gen, cfg.train
+    torch.manual_seed(cfg.run.seed)
+    random.seed(cfg.run.seed)
+    model, tok = build_model_and_tokenizer(cfg, dist)
+    task = build_task(cfg.task.name, path=cfg.task.path, eval_path=cfg.task.eval_path, reward=cfg.task.reward,
+                      num_train=cfg.task.num_train, num_eval=cfg.task.num_eval, seed=cfg.task.seed)
+    encode = PromptEncoder(tok, chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt)
+    eval_sets = build_eval_sets(task, cfg.eval)
+    llm, eval_llm, memory_plan = build_engines(cfg, model, task, encode, eval_sets, dist)
+    sampler = PrioritySampler(len(task.train), cfg.run.seed, enabled=t.priority_sampling)
+    if g.filtered and g.logprobs_mode == "raw":
+        warnings.warn("gen.top_k / gen.top_p filter the sampled distribution but gen.logprobs_mode = 'raw' "
+                      "returns full-vocabulary log-probs: importance ratios are biased; use 'processed'",
+                      stacklevel=3)
+    params = SamplingParams(n=t.group_size, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                            max_tokens=g.max_tokens, logprobs_mode=g.logprobs_mode)
+    # where rewards run; a pool spawns its workers now, so they import while the rest is built
+    rewards = make_runner(task.reward_fn, cfg.task.reward, workers=cfg.task.reward_workers,
+                          timeout=cfg.task.reward_timeout)
+    collector = RolloutCollector(llm, tok, task, group_size=t.group_size, b_train=t.b_train, b_gen=g.b_gen,
+                                 params=params, sampler=sampler, dynamic_sampling=t.dynamic_sampling and t.algo == "grpo",
+                                 max_lag=g.max_lag, max_reward_error_frac=cfg.task.max_reward_error_frac, dist=dist,
+                                 seed=cfg.run.seed, runner=rewards, encode_prompt=encode)
+    evaluator = Evaluator(eval_llm, encode, rewards, tok, eval_sets, cfg.eval, max_tokens=g.max_tokens,
+                          seed=cfg.run.seed, max_error_frac=cfg.task.max_reward_error_frac, dist=dist)
+    return JobParts(model=model, tok=tok, task=task, encode=encode, eval_sets=eval_sets, llm=llm, eval_llm=eval_llm,
+                    memory_plan=memory_plan, sampler=sampler, rewards=rewards, collector=collector,
+                    evaluator=evaluator)

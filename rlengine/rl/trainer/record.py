@@ -1,0 +1,89 @@
+"""The metrics record of one update boundary, and the run's telemetry file.
+
+update_record() turns what one update measured (the collector's stats, the learner's metrics, the
+engine trace of the boundary, the phase times) into the metrics.jsonl line: N, the rewards, t_gen,
+t_train, q_gen, q, grad norms, clip fraction, entropy, KL, the generator-vs-learner log-prob
+difference, policy lag, lr, the over-long fraction and the B_act distribution of the boundary's
+decode steps. Every value is global over ranks; per-rank views end in `_ranks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlengine.rl.distributed import Dist
+from rlengine.rl.rollout.collector import CollectStats
+from rlengine.rl.types import RolloutGroup
+from rlengine.telemetry.records import BoundaryRecord
+
+
+@dataclass(slots=True)
+class UpdateTimes:
+    """Phase times of one update: this rank's, and the slowest rank's (which gates the update)."""
+
+    t_gen_rank: float
+    t_train_rank: float
+    t_gen: float
+    t_train: float
+
+
+def update_record(*, update: int, n: int, critic_only: bool, b_train: int, stats: CollectStats, m: dict,
+                  times: UpdateTimes, boundary: BoundaryRecord, groups: list[RolloutGroup], num_seqs: int,
+                  consumed: int, overlong: int, penalty: float, soft_overlong: bool, lr: float, dist: Dist) -> dict:
+    """The metrics.jsonl line of one update. Every rank calls it with its own groups (the B_train
+    responses it trained on, `num_seqs` of them in its batch, `overlong` of them cut at max_tokens
+    with `penalty` the sum of their soft penalties); lags and sums are gathered over ranks here.
+    consumed: the weight version the update trained (a response's lag is counted against it)."""
+    lags = [lag for part in dist.all_gather_objects([g.lag(consumed) for g in groups]) for lag in part]
+    tokens, seqs, overlong, penalty = dist.all_sum(
+        [float(sum(len(c) for g in groups for c in g.completions)), float(num_seqs), float(overlong), penalty])
+    rewards = torch.tensor(stats.rewards, dtype=torch.float64)  # every rank's, in global order
+    t_gen, t_train = times.t_gen, times.t_train
+    record = {
+        "update": update, "N": n, "critic_only": critic_only, "skipped": m["skipped"],
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+        "retained_fraction": stats.retained_fraction, "groups_dropped": stats.groups_dropped,
+        "stale_dropped": stats.groups_stale, "stale_aborted": stats.stale_aborted,
+        "reward_errors": stats.reward_errors,
+        "filter_fallback": stats.filter_fallback,
+        "t_gen": t_gen, "t_train": t_train, "q_gen": b_train / t_gen, "q": b_train / (t_gen + t_train),
+        "actor_grad_norm": m["actor_grad_norm"], "critic_grad_norm": m["critic_grad_norm"],
+        "loss": m["loss"], "value_loss": m["value_loss"], "clip_frac": m["clip_frac"],
+        "approx_kl": m["approx_kl"], "kl_ref": m["kl_ref"], "entropy": m["entropy"],
+        "logprob_diff": m["logprob_diff"], "routing_disagreement": m["routing_disagreement"],
+        "policy_lag_mean": sum(lags) / len(lags), "policy_lag_max": max(lags),
+        "response_len_mean": tokens / max(seqs, 1.0), "lr": lr,
+        "b_act_mean": boundary.b_act.mean, "b_act_p50": boundary.b_act.p50, "b_act_p90": boundary.b_act.p90,
+        "b_act_frac_time_below": boundary.b_act.frac_time_below, "gen_tokens": boundary.generated_tokens,
+        "preemptions": boundary.preemptions,
+        "overlong_frac": overlong / max(seqs, 1.0), **stats.reward_components,
+    }
+    if soft_overlong:
+        record["overlong_penalty_mean"] = penalty / max(seqs, 1.0)
+    if dist.enabled:  # per-rank views: wall-clock of each rank's phases and its decode batches
+        per_rank = dist.all_gather_objects((times.t_gen_rank, times.t_train_rank, boundary.b_act.mean))
+        record.update({k: list(v) for k, v in zip(("t_gen_ranks", "t_train_ranks", "b_act_mean_ranks"),
+                                                   zip(*per_rank))})
+    return record
+
+
+def write_telemetry(telemetry, history: list[dict], *, b_train: int, dist: Dist, run_dir: Path) -> None:
+    """Per-phase GPU telemetry (or why there is none) to RUN_DIR/telemetry.json. Every rank samples
+    its own device; rank 0 gathers them and writes one file (its own summary at the top level,
+    every rank's under "ranks")."""
+    steps = [r for r in history if r["update"] > 0]
+    summary = telemetry.summary(responses=b_train * len(steps), tokens=sum(r.get("gen_tokens", 0) for r in steps))
+    payload = {"available": summary.available, "reason": summary.reason,
+               "phases": {k: dataclasses.asdict(v) for k, v in summary.phases.items()}}
+    ranks = dist.all_gather_objects(json.loads(json.dumps(payload, default=str)))
+    if not dist.is_main:
+        return
+    print(summary.format())
+    if dist.enabled:
+        payload["ranks"] = ranks
+    (run_dir / "telemetry.json").write_text(json.dumps(payload, indent=2, default=str))

@@ -1,0 +1,31 @@
+"""The RL stage-to-stage record that several layers share: a scored group of responses.
+
+rollout/collector.py produces RolloutGroups; algo/overlong.py shapes their rewards and
+learner/batching.py packs them into a TrainBatch. Kept here, below all three, so the algorithm
+layer never imports the rollout layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RolloutGroup:
+    """G responses to one prompt, scored."""
+
+    problem_index: int                  # index in task.train
+    prompt_ids: list[int]
+    completions: list[list[int]]        # [G] generated token ids
+    logprobs: list[list[float]]         # [G] behaviour log-probs per generated token
+    rewards: list[float]                # [G]
+    versions: list[list[int]]           # [G] weight version that sampled each token
+    finish_reasons: list[str]
+    routing_ids: list = field(default_factory=list)   # [G] tensors [len-1, L_moe, K] or empty
+    reward_errors: int = 0
+    scores: list[float] = field(default_factory=list)        # [G] task rewards before shaping ([] = rewards)
+    loss_weights: list[float] = field(default_factory=list)  # [G] 0 excludes a response from the loss; [] = all 1
+
+    def lag(self, version: int) -> int:
+        """Policy lag: updates between the oldest token of the group and the consuming update."""
+        return version - min((min(v) for v in self.versions if v), default=version)
