@@ -7,7 +7,9 @@ Library code never parses argv; this file is the only place that does. Imports a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -132,12 +134,19 @@ def _cmd_train(args) -> int:
     if args.nproc is not None:
         return _launch(args)
     # --resume: the run's own config; only overrides that keep its meaning apply (RESUME_OVERRIDABLE)
-    trainer = Trainer(_train_config(args), resume_from=args.resume, profile=args.profile,
+    cfg = _train_config(args)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"run directory: {cfg.run.out_dir}", flush=True)
+    trainer = Trainer(cfg, resume_from=args.resume, profile=args.profile,
                       profile_window=args.profile_window)
     history = trainer.run()
     trainer.dist.close()
     if not trainer.dist.is_main:
-        return 0
+        return 130 if trainer.interrupted else 0
+    if trainer.interrupted:
+        print(f"interrupted at update {trainer.update}; resume with: rlengine train --resume {trainer.run_dir}",
+              file=sys.stderr)
+        return 130
     js = [(r["N"], r["J"]) for r in history if r.get("J") is not None]
     print("J against N (held-out accuracy):")
     for n, j in js:
@@ -153,8 +162,8 @@ def _train_config(args):
 
     from rlengine.config import ConfigError
     from rlengine.preflight import check_train_config
-    from rlengine.rl.config import load_config
-    from rlengine.rl.trainer.run_dir import resume_config
+    from rlengine.rl.config import load_config, split_overrides
+    from rlengine.rl.trainer.run_dir import check_new_run, fresh_run_dir, resume_config
     from rlengine.telemetry.profiler import ProfileWindow
 
     try:
@@ -166,6 +175,10 @@ def _train_config(args):
     else:
         cfg = load_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml"),
                           args.overrides)
+        if any(key == "run.out_dir" for key, _ in split_overrides(args.overrides)):
+            check_new_run(Path(cfg.run.out_dir), cfg.run.overwrite)  # named by the user: never replaced silently
+        elif not cfg.run.overwrite and "RANK" not in os.environ:  # ranks get the launcher's choice explicitly
+            cfg.run.out_dir = str(fresh_run_dir(cfg.run.out_dir))  # runs/default, then runs/default-1, ...
     check_train_config(cfg)
     return cfg
 
@@ -179,9 +192,10 @@ def _launch(args) -> int:
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    _train_config(args)
+    cfg = _train_config(args)
     argv = ["train"] + (["--config", args.config] if args.config else []) + ["--algo", args.algo]
     argv += (["--resume", args.resume] if args.resume else []) + list(args.overrides)
+    argv += [] if args.resume else ["--run.out_dir", cfg.run.out_dir]  # every rank writes where this one chose
     argv += ["--profile", args.profile, "--profile-window", args.profile_window] if args.profile else []  # rank 0 writes
     launcher = get_args_parser().parse_args(
         ["--nproc-per-node", str(args.nproc), "--standalone", "-m", "rlengine", *argv])

@@ -240,9 +240,12 @@ class RunSection:
     progress: bool = True
     samples_every: int = 0               # every k updates append the batch's responses to samples.jsonl; 0 = never
     tensorboard: bool = False            # also write metrics as TensorBoard event files in out_dir
+    overwrite: bool = False              # a new run may replace the run already in out_dir (else an error)
+    keep_checkpoints: int = 0            # keep the newest K checkpoints; 0 = all
 
     def __post_init__(self):
         _check(self.samples_every >= 0, f"run.samples_every must be >= 0, got {self.samples_every}")
+        _check(self.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0 keeps all), got {self.keep_checkpoints}")
         if self.tensorboard:
             import importlib.util
 

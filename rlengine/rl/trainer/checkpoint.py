@@ -138,7 +138,7 @@ def _fresh_name(ckpt_root: Path, update: int) -> str:
 
 
 def save_checkpoint(run_dir: Path, update: int, *, model, learner, state: dict,
-                    on_stage: Callable[[str], None] | None = None, write: bool = True) -> Path:
+                    on_stage: Callable[[str], None] | None = None, write: bool = True, keep: int = 0) -> Path:
     """Write a checkpoint of `update` and point checkpoints/latest at it; returns its directory.
 
     learner: .opt, .critic/.critic_opt (or None), .ref (or None), and optionally .master_params
@@ -146,7 +146,8 @@ def save_checkpoint(run_dir: Path, update: int, *, model, learner, state: dict,
     on_stage(stage) is called at each of STAGES (tests inject crashes there). Copies every tensor
     to the CPU (a host sync) and fsyncs every file and directory it writes. Several ranks: every
     rank calls it (FSDP shards are gathered), only the one with write=True writes (the model must
-    hold full parameters: under FSDP, call it inside Dist.unsharded).
+    hold full parameters: under FSDP, call it inside Dist.unsharded). keep > 0: afterwards only the
+    newest `keep` checkpoints stay (the one `latest` names always among them).
     """
     on_stage = on_stage or (lambda stage: None)
     files = _gather(learner)
@@ -176,6 +177,12 @@ def save_checkpoint(run_dir: Path, update: int, *, model, learner, state: dict,
         superseded = p.name == base or p.name.startswith(base + ".")
         if p.is_dir() and p.name != name and (superseded or p.name.startswith(".tmp-")):
             shutil.rmtree(p)
+    if keep:
+        saved = sorted((p for p in ckpt_root.iterdir() if p.is_dir() and p.name.startswith("update-")),
+                       key=lambda p: p.stat().st_mtime_ns)
+        for p in saved[:-keep]:
+            if p.name != name:
+                shutil.rmtree(p)
     return final
 
 
@@ -249,7 +256,8 @@ def load_checkpoint(path: Path, *, model, learner) -> dict:
     return json.loads((path / "state.json").read_text())
 
 
-def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collector, sampler, dist) -> Path:
+def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collector, sampler, dist,
+             keep: int = 0) -> Path:
     """Checkpoint a run at an update boundary: the weights, the learner's state and everything the
     loop needs to continue as if never stopped (counters, prompt sampler, torch and engine RNGs).
     Async in-flight rollouts are drained, not saved: they are regenerated after a resume."""
@@ -260,7 +268,8 @@ def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collect
              "ready": len(collector.ready), "next_request": collector.next_request, "world_size": dist.world}
     collector.ready.clear()
     with dist.unsharded(*(m for m in (model, learner.ref, learner.critic) if m is not None)):
-        path = save_checkpoint(run_dir, update, model=model, learner=learner, state=state, write=dist.is_main)
+        path = save_checkpoint(run_dir, update, model=model, learner=learner, state=state, write=dist.is_main,
+                               keep=keep)
     dist.barrier()  # no rank resumes or exits before the checkpoint is complete
     return path
 

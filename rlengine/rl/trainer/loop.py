@@ -11,7 +11,6 @@ the training engine are never disturbed. Rewards run through one reward runner p
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -21,19 +20,23 @@ from rlengine.rl.config import TrainConfig
 from rlengine.rl.data.warmstart import format_warmstart
 from rlengine.rl.distributed import Dist, init_from_env
 from rlengine.rl.learner.batching import grpo_batch, ppo_batch
-from rlengine.rl.learner.learner import Learner
 from rlengine.rl.rollout.collector import CollectStats
 from rlengine.rl.trainer.checkpoint import resume_run, save_run
 from rlengine.rl.trainer.graphs import EngineGraphs
-from rlengine.rl.trainer.parts import build_parts
+from rlengine.rl.trainer.parts import build_learner, build_parts
 from rlengine.rl.trainer.progress import Progress
-from rlengine.rl.trainer.record import UpdateTimes, update_record, write_telemetry
-from rlengine.rl.trainer.run_dir import keep_metrics_through
+from rlengine.rl.trainer.record import UpdateTimes, boundary_since, engine_mark, update_record, write_telemetry
+from rlengine.rl.trainer.run_dir import check_new_run, keep_metrics_through, start_new_run
 from rlengine.rl.trainer.run_outputs import RunOutputs, write_samples
+from rlengine.rl.trainer.signals import StopOnSignal
 from rlengine.telemetry.nvml import NvmlSampler
 from rlengine.telemetry.profiler import ProfileWindow, step_profiler
-from rlengine.telemetry.records import build_boundary_record
 from rlengine.telemetry.timers import PhaseTimer
+
+
+def eval_fields(metrics: dict) -> dict:
+    """An evaluation's fields of a metrics record, but J (the caller sets it)."""
+    return {k: v for k, v in metrics.items() if k != "J"}
 
 
 def eval_due(cfg: TrainConfig, update: int, n_before: int, n: int) -> bool:
@@ -54,33 +57,31 @@ class Trainer:
         metrics go to run.out_dir either way. dist: this rank (default: from torchrun's environment).
         profile: a directory for a torch.profiler trace of the RL updates in profile_window (START:STOP)."""
         self.cfg, self.profile = cfg, (profile, ProfileWindow.parse(profile_window))  # (out dir, window)
-        self.dist = dist if dist is not None else init_from_env()
-        self.dist.check_same("config", cfg.to_dict())
         self.run_dir = Path(cfg.run.out_dir)
         self.resume_dir = Path(resume_from) if resume_from is not None else (self.run_dir if resume else None)
+        if self.resume_dir is None:  # a new run: never silently into another run's directory (checked
+            check_new_run(self.run_dir, cfg.run.overwrite)  # before the first collective: no rank wrote yet)
+        self.dist = dist if dist is not None else init_from_env()
+        self.dist.check_same("config", cfg.to_dict())
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.parts = p = build_parts(cfg, self.dist)
         self.model, self.tok, self.task, self.llm, self.eval_llm = p.model, p.tok, p.task, p.llm, p.eval_llm
         self.sampler, self.rewards, self.collector, self.memory_plan = p.sampler, p.rewards, p.collector, p.memory_plan
         self.outputs = RunOutputs(self.run_dir, tensorboard=cfg.run.tensorboard, write=self.dist.is_main)
-        self.update, self.N, self.history = 0, 0, []
+        self.update, self.N, self.history, self._saved = 0, 0, [], -1  # _saved: update last checkpointed
         self.telemetry = NvmlSampler.for_device(self.model.device)  # the GPU this rank uses, if any
         self.timer = PhaseTimer(self.model.device)  # t_gen / t_train; syncs only at phase ends
         self.llm.phase_listener = self.telemetry
-        self.warmstart_losses: list[float] = []
-        if self.resume_dir is None:
-            if self.dist.is_main:
-                (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-                self.outputs.reset()
-            w = cfg.warmstart
-            self.warmstart_losses = format_warmstart(self.model, self.tok, self.task, steps=w.steps, lr=w.lr,
-                                                     batch=w.batch, seed=cfg.run.seed, encode_prompt=p.encode)
+        if self.resume_dir is None and self.dist.is_main:
+            start_new_run(self.run_dir, cfg, self.outputs)
+        w = cfg.warmstart
+        self.warmstart_losses = [] if self.resume_dir is not None else format_warmstart(
+            self.model, self.tok, self.task, steps=w.steps, lr=w.lr, batch=w.batch, seed=cfg.run.seed,
+            encode_prompt=p.encode)
         # Built after the warm start: the KL reference and the PPO critic start from the policy at
         # update 0, not from the random initialisation (on resume, the checkpoint restores both).
-        g = cfg.gen
-        self.learner = Learner(self.model, cfg.train, temperature=g.temperature, replay_routing=g.record_routing,
-                               logprobs_mode=g.logprobs_mode, top_k=g.top_k, top_p=g.top_p, dist=self.dist)
+        self.learner = build_learner(cfg, self.model, self.dist)
         if self.resume_dir is not None:
             self._resume()
         # GPU: capture decode graphs now, not inside timed steps, on the parameters the engine reads
@@ -99,8 +100,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One update: collect B_train responses, shape, batch, one learner step; returns its record."""
         t, llm, dist = self.cfg.train, self.llm, self.dist
-        stats, trace_start = CollectStats(), len(llm.trace)
-        preempt0, recompute0 = llm.scheduler.num_preemptions, llm.scheduler.num_recomputed_tokens
+        stats, mark = CollectStats(), engine_mark(llm)
         self.timer.reset()
         with self.timer.phase("gen"), dist.unsharded(self.model):  # FSDP: decode from full weights
             self.graphs.refresh()
@@ -122,10 +122,7 @@ class Trainer:
             llm.weight_version += 1
         self.N += 0 if critic_only else t.b_train
         self.update += 1
-        boundary = build_boundary_record(llm.trace[trace_start:], responses=t.b_train, t_gen=times.t_gen,
-                                         t_train=times.t_train,
-                                         preemptions=llm.scheduler.num_preemptions - preempt0,
-                                         recomputed_tokens=llm.scheduler.num_recomputed_tokens - recompute0)
+        boundary = boundary_since(llm, mark, responses=t.b_train, times=times)
         consumed = llm.weight_version - (0 if m["skipped"] or critic_only else 1)
         if self.cfg.run.samples_every and self.update % self.cfg.run.samples_every == 0:
             write_samples(self.outputs, groups, batch, self.tok, update=self.update, n=self.N, dist=dist)
@@ -141,20 +138,23 @@ class Trainer:
 
         stop_when(record) -> bool, checked after each logged update, ends the run early (e.g. the
         tuner stops a curve at its first evaluation with J >= J*); self.stopped_early says so.
+        A SIGINT / SIGTERM ends it at the next update boundary, checkpointed (self.interrupted).
         """
-        self.stopped_early, cfg = False, self.cfg
-        last = min(cfg.train.updates, stop_after) if stop_after else cfg.train.updates
+        self.stopped_early = self.interrupted = False
+        last = min(self.cfg.train.updates, stop_after) if stop_after else self.cfg.train.updates
         try:
-            if self.update == 0:
-                self._log({"update": 0, "N": 0, "J": self.evaluate(), **self._eval_record()})
-            self._loop(last, stop_when)
-            self.checkpoint()
+            with StopOnSignal(announce=self.dist.is_main) as stop:
+                if self.update == 0:
+                    self._log({"update": 0, "N": 0, "J": self.evaluate(), **eval_fields(self.eval_metrics)})
+                self._loop(last, stop_when, stop)
+            if self._saved != self.update:  # the last update is saved once; a finished run, not again
+                self.checkpoint()
         finally:  # a reward pool's workers never outlive the run, whatever ended it
             self.rewards.close()
             self.outputs.close()
         return self.history
 
-    def _loop(self, last: int, stop_when) -> None:
+    def _loop(self, last: int, stop_when, stop) -> None:
         cfg, (out, window) = self.cfg, self.profile
         profiler = step_profiler(out if self.dist.is_main else None, name="train", window=window,
                                  device=self.model.device, ranges=[self.llm.ranges, self.learner.ranges])
@@ -166,7 +166,7 @@ class Trainer:
                 record = self.train_step()
                 if eval_due(cfg, self.update, n_before, self.N):
                     record["J"] = self.evaluate()
-                    record.update(self._eval_record())
+                    record.update(eval_fields(self.eval_metrics))
                 self._log(record)
                 bar.advance(record)
                 if stop_when is not None and stop_when(record):
@@ -174,26 +174,29 @@ class Trainer:
                     break
                 if cfg.run.checkpoint_every and self.update % cfg.run.checkpoint_every == 0:
                     self.checkpoint()
+                if self.dist.all_max([float(stop.requested)])[0]:  # every rank stops at the same update
+                    self.interrupted = True
+                    break
                 profiler.step()  # one profiler step = one RL update (collect, update, eval, log)
         if profiler.trace_path:
             print(f"profile of updates {window.start}..{window.stop - 1}: {profiler.trace_path} {profiler.note}")
         self.telemetry.stop()
         write_telemetry(self.telemetry, self.history, b_train=cfg.train.b_train, dist=self.dist, run_dir=self.run_dir)
 
-    def _eval_record(self) -> dict:
-        """The last evaluation's fields of a metrics record (J itself is set by the caller)."""
-        return {k: v for k, v in self.eval_metrics.items() if k != "J"}
-
     def _log(self, record: dict) -> None:
         self.history.append(record)
         self.outputs.log(record)
 
     def checkpoint(self) -> Path:
+        self._saved = self.update
         return save_run(self.run_dir, update=self.update, n=self.N, model=self.model, learner=self.learner,
-                        llm=self.llm, collector=self.collector, sampler=self.sampler, dist=self.dist)
+                        llm=self.llm, collector=self.collector, sampler=self.sampler, dist=self.dist,
+                        keep=self.cfg.run.keep_checkpoints)
 
     def _resume(self) -> None:
         self.update, self.N = resume_run(self.resume_dir, model=self.model, learner=self.learner, llm=self.llm,
                                          collector=self.collector, sampler=self.sampler)
+        if self.resume_dir.resolve() == self.run_dir.resolve():
+            self._saved = self.update  # already on disk here: a finished run resumed rewrites nothing
         self.history = keep_metrics_through(self.resume_dir, self.run_dir, self.update, self.cfg, self.outputs,
                                             self.dist)

@@ -26,6 +26,7 @@ from rlengine.rl.data.prompts import PromptEncoder, check_job_prompts
 from rlengine.rl.data.reward_pool import make_runner
 from rlengine.rl.data.tasks import Task, build_task
 from rlengine.rl.distributed import Dist
+from rlengine.rl.learner.learner import Learner
 from rlengine.rl.rollout.collector import PrioritySampler, RolloutCollector
 from rlengine.rl.rollout.evaluation import EvalSet, Evaluator, build_eval_sets
 from rlengine.rl.trainer.memory import plan_for_config
@@ -126,3 +127,10 @@ def build_parts(cfg: TrainConfig, dist: Dist) -> JobParts:
     return JobParts(model=model, tok=tok, task=task, encode=encode, eval_sets=eval_sets, llm=llm, eval_llm=eval_llm,
                     memory_plan=memory_plan, sampler=sampler, rewards=rewards, collector=collector,
                     evaluator=evaluator)
+
+
+def build_learner(cfg: TrainConfig, model: Qwen3ForCausalLM, dist: Dist) -> Learner:
+    """The learner over the job's model, with the engine's sampling settings (the log-prob definition)."""
+    g = cfg.gen
+    return Learner(model, cfg.train, temperature=g.temperature, replay_routing=g.record_routing,
+                   logprobs_mode=g.logprobs_mode, top_k=g.top_k, top_p=g.top_p, dist=dist)

@@ -19,7 +19,7 @@ import torch
 from rlengine.rl.distributed import Dist
 from rlengine.rl.rollout.collector import CollectStats
 from rlengine.rl.types import RolloutGroup
-from rlengine.telemetry.records import BoundaryRecord
+from rlengine.telemetry.records import BoundaryRecord, build_boundary_record
 
 
 @dataclass(slots=True)
@@ -30,6 +30,19 @@ class UpdateTimes:
     t_train_rank: float
     t_gen: float
     t_train: float
+
+
+def engine_mark(llm) -> tuple[int, int, int]:
+    """Where the engine's trace and preemption counters stand: the start of an update boundary."""
+    return len(llm.trace), llm.scheduler.num_preemptions, llm.scheduler.num_recomputed_tokens
+
+
+def boundary_since(llm, mark: tuple[int, int, int], *, responses: int, times: UpdateTimes) -> BoundaryRecord:
+    """The boundary record of the engine steps since `mark` (engine_mark), with the update's phase times."""
+    start, preempt0, recompute0 = mark
+    return build_boundary_record(llm.trace[start:], responses=responses, t_gen=times.t_gen, t_train=times.t_train,
+                                 preemptions=llm.scheduler.num_preemptions - preempt0,
+                                 recomputed_tokens=llm.scheduler.num_recomputed_tokens - recompute0)
 
 
 def update_record(*, update: int, n: int, critic_only: bool, b_train: int, stats: CollectStats, m: dict,

@@ -8,6 +8,7 @@ the run's meaning.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from rlengine.config import ConfigError
@@ -23,7 +24,7 @@ def _check(cond: bool, msg: str) -> None:
 # Overrides a resumed run accepts: they change how long it runs, how it is evaluated, logged and
 # saved, never what an update computes. Any other override on --resume is an error.
 RESUME_OVERRIDABLE = ("train.updates", "eval.*", "run.checkpoint_every", "run.progress", "run.out_dir",
-                      "run.samples_every", "run.tensorboard")
+                      "run.samples_every", "run.tensorboard", "run.keep_checkpoints")
 
 
 def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:
@@ -67,3 +68,50 @@ def keep_metrics_through(resume_dir: Path, run_dir: Path, update: int, cfg: Trai
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         outputs.reset(keep_through=update)
     return [json.loads(ln) for ln in kept]
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "telemetry.json")
+
+
+def holds_run(path: Path) -> bool:
+    """Whether `path` already holds a run (its config, metrics or checkpoints)."""
+    path = Path(path)
+    return any((path / f).exists() for f in RUN_FILES[:2]) or (path / "checkpoints").is_dir()
+
+
+def fresh_run_dir(base: str | Path) -> Path:
+    """`base` when it holds no run, else the first free `base-1`, `base-2`, ... (never an existing run)."""
+    base = Path(base)
+    n, path = 0, base
+    while holds_run(path):
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def check_new_run(path: Path, overwrite: bool) -> None:
+    """A new (not resumed) run into `path`: refused when a run is there, unless run.overwrite."""
+    if holds_run(path) and not overwrite:
+        raise ConfigError(f"run.out_dir {str(path)!r} already holds a run (config.json / metrics.jsonl / "
+                          f"checkpoints): resume it with `rlengine train --resume {path}`, choose another "
+                          "--run.out_dir, or pass --run.overwrite true to replace it")
+
+
+def clear_run(path: Path) -> None:
+    """Remove a previous run's own files from `path` (run.overwrite): its config, metrics, samples,
+    telemetry, TensorBoard events and checkpoints. Anything else in the directory is left alone."""
+    path = Path(path)
+    for name in RUN_FILES:
+        (path / name).unlink(missing_ok=True)
+    for events in path.glob("events.out.tfevents.*"):
+        events.unlink()
+    if (path / "checkpoints").is_dir():
+        shutil.rmtree(path / "checkpoints")
+
+
+def start_new_run(path: Path, cfg: TrainConfig, outputs) -> None:
+    """Rank 0 of a new run: the previous run's files gone (run.overwrite), the config written, the
+    outputs started empty."""
+    clear_run(path)
+    (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    outputs.reset()
