@@ -146,13 +146,17 @@ def fsdp_shard(model: nn.Module, layers: list[nn.Module], warmup) -> nn.Module:
     warmup(model) runs one tiny no-grad forward so FSDP initialises from the root (it refuses a
     child-first lazy init, which the engine's direct layer calls would cause); the root keeps its
     parameters unsharded after a forward, so everything is resharded explicitly afterwards: the
-    optimizer must be built over the sharded parameters.
+    optimizer must be built over the sharded parameters. Gradients are reduced in fp32 (float64 for
+    a float64 model), never in bf16; the parameters keep their dtype, so the engine reads the
+    learner's own storage.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    dtype = next(model.parameters()).dtype
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.promote_types(dtype, torch.float32))
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     with torch.no_grad():
         warmup(model)
     for m in _fsdp_modules(model):

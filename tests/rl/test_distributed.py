@@ -205,3 +205,20 @@ def test_asymmetry_bench_on_two_ranks_prints_per_rank_and_node_rows(tmp_path):
     for row in rows:
         assert len(row["t_gen_ranks"]) == 2 and sum(row["responses_ranks"]) == row["b"]
         assert row["t_gen"] >= min(row["t_gen_ranks"])  # the node waits for its slowest rank
+
+
+def test_gradient_reductions_are_fp32_and_ddp_reduces_once_per_update(tmp_path):
+    """One update of 4 micro-batches per rank, every reduction wrapped and typed: DDP (fp32, no masters)
+    all-reduces the gradients once (1.00 x the parameters: the forwards run inside no_sync too), and
+    FSDP with bf16 parameters reduce-scatters them in fp32 only. Counted reductions of float64 are the
+    learner's metric sums (Dist.all_sum), not gradients."""
+    out = tmp_path / "census.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                        "tests/support/reduction_census.py", str(out)], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    grads = {k: [(op, dt, n) for op, dt, n in res[k] if dt != "float64"] for k in ("ddp", "fsdp")}
+    assert sum(n for _, _, n in grads["ddp"]) == res["params"], grads["ddp"]
+    assert {dt for _, dt, _ in grads["ddp"]} == {"float32"}
+    assert grads["fsdp"] and {(op, dt) for op, dt, _ in grads["fsdp"]} == {("reduce_scatter_single", "float32")}

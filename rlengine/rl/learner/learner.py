@@ -226,52 +226,54 @@ class Learner:
         mbs = self._micro_batches(batch)
         start = 0
         for i, mb in enumerate(mbs):
-            filler = mb is None
-            if filler:
-                mb = TrainBatch.filler(self.model.device)
-                a = b = 0
-            else:
-                a, b = mb.cu_seqlens[0] + start, mb.cu_seqlens[-1] + start
-                start = b
-            w = float(mb.loss_mask.sum()) / ntok
-            loss = torch.zeros((), device=mb.input_ids.device)
-            if not critic_only:
-                if self.replay_routing:
-                    self._set_replay(mb)
-                logp, ent = self.token_logprobs(self.actor_fwd, mb)
-                self._set_replay(None)
-                pl, m = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.seq_ids,
-                                    clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.agg, normalizer=norm)
-                loss = loss + pl
-                if cfg.entropy_coef:
-                    loss = loss - cfg.entropy_coef * masked_aggregate(ent, mb.loss_mask, mb.seq_ids, agg=cfg.agg,
-                                                                      normalizer=norm)
-                if self.ref is not None:
-                    with torch.no_grad():
-                        ref_logp, _ = self.token_logprobs(self.ref, mb)
-                    kl = masked_aggregate(kl_k3(logp, ref_logp), mb.loss_mask, mb.seq_ids, agg=cfg.agg,
-                                          normalizer=norm)
-                    loss = loss + cfg.kl_coef * kl
-                    sums["kl_ref"] += float(kl.detach())
-                valid = mb.loss_mask > 0
-                sums["logprob_diff"] += float((logp.detach() - mb.old_logprobs)[valid].abs().sum())
-                sums["entropy"] += float((ent.detach() * mb.loss_mask).sum())
-                if not filler:
-                    sums["clip_frac"] += float(m["clip_frac"]) * w
-                    sums["approx_kl"] += float(m["approx_kl"]) * w
-                blocks = self.model.moe_blocks()
-                if self.replay_routing and blocks and blocks[0].last_disagreement is not None and not filler:
-                    sums["routing_disagreement"] += sum(float(bk.last_disagreement) for bk in blocks) / len(blocks) * w
-            critic_loss = None
-            if self.critic is not None:
-                values = self.critic_fwd(mb.input_ids, mb.cu_seqlens)
-                ov = values.detach() if filler else old_values[a:b]
-                rt = values.detach() if filler else returns[a:b]
-                vl, _ = value_loss(values, ov, rt, mb.loss_mask, mb.seq_ids, clip=cfg.vf_clip, agg=cfg.agg,
-                                   normalizer=norm)
-                critic_loss = cfg.vf_coef * vl
-                sums["value_loss"] += float(vl.detach())
+            # DDP: forward and backward of every micro-batch but the last inside no_sync, so the
+            # gradients are all-reduced once per update, not once per micro-batch
             with self._no_sync(last=i == len(mbs) - 1):
+                filler = mb is None
+                if filler:
+                    mb = TrainBatch.filler(self.model.device)
+                    a = b = 0
+                else:
+                    a, b = mb.cu_seqlens[0] + start, mb.cu_seqlens[-1] + start
+                    start = b
+                w = float(mb.loss_mask.sum()) / ntok
+                loss = torch.zeros((), device=mb.input_ids.device)
+                if not critic_only:
+                    if self.replay_routing:
+                        self._set_replay(mb)
+                    logp, ent = self.token_logprobs(self.actor_fwd, mb)
+                    self._set_replay(None)
+                    pl, m = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.seq_ids,
+                                        clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.agg, normalizer=norm)
+                    loss = loss + pl
+                    if cfg.entropy_coef:
+                        loss = loss - cfg.entropy_coef * masked_aggregate(ent, mb.loss_mask, mb.seq_ids, agg=cfg.agg,
+                                                                          normalizer=norm)
+                    if self.ref is not None:
+                        with torch.no_grad():
+                            ref_logp, _ = self.token_logprobs(self.ref, mb)
+                        kl = masked_aggregate(kl_k3(logp, ref_logp), mb.loss_mask, mb.seq_ids, agg=cfg.agg,
+                                              normalizer=norm)
+                        loss = loss + cfg.kl_coef * kl
+                        sums["kl_ref"] += float(kl.detach())
+                    valid = mb.loss_mask > 0
+                    sums["logprob_diff"] += float((logp.detach() - mb.old_logprobs)[valid].abs().sum())
+                    sums["entropy"] += float((ent.detach() * mb.loss_mask).sum())
+                    if not filler:
+                        sums["clip_frac"] += float(m["clip_frac"]) * w
+                        sums["approx_kl"] += float(m["approx_kl"]) * w
+                    blocks = self.model.moe_blocks()
+                    if self.replay_routing and blocks and blocks[0].last_disagreement is not None and not filler:
+                        sums["routing_disagreement"] += sum(float(bk.last_disagreement) for bk in blocks) / len(blocks) * w
+                critic_loss = None
+                if self.critic is not None:
+                    values = self.critic_fwd(mb.input_ids, mb.cu_seqlens)
+                    ov = values.detach() if filler else old_values[a:b]
+                    rt = values.detach() if filler else returns[a:b]
+                    vl, _ = value_loss(values, ov, rt, mb.loss_mask, mb.seq_ids, clip=cfg.vf_clip, agg=cfg.agg,
+                                       normalizer=norm)
+                    critic_loss = cfg.vf_coef * vl
+                    sums["value_loss"] += float(vl.detach())
                 # actor and critic share no parameters: two backward passes (FSDP2 finalises one root's
                 # gradients per backward), the same gradients as one pass over their sum
                 if loss.requires_grad:
