@@ -242,9 +242,11 @@ class RunSection:
     tensorboard: bool = False            # also write metrics as TensorBoard event files in out_dir
     overwrite: bool = False              # a new run may replace the run already in out_dir (else an error)
     keep_checkpoints: int = 0            # keep the newest K checkpoints; 0 = all
+    dist_timeout_s: float = 300.0        # a collective that waits longer than this fails the job (several ranks)
 
     def __post_init__(self):
         _check(self.samples_every >= 0, f"run.samples_every must be >= 0, got {self.samples_every}")
+        _check(self.dist_timeout_s > 0, f"run.dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
         _check(self.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0 keeps all), got {self.keep_checkpoints}")
         if self.tensorboard:
             import importlib.util

@@ -61,7 +61,7 @@ class Trainer:
         self.resume_dir = Path(resume_from) if resume_from is not None else (self.run_dir if resume else None)
         if self.resume_dir is None:  # a new run: never silently into another run's directory (checked
             check_new_run(self.run_dir, cfg.run.overwrite)  # before the first collective: no rank wrote yet)
-        self.dist = dist if dist is not None else init_from_env()
+        self.dist = dist if dist is not None else init_from_env(cfg.run.dist_timeout_s)
         self.dist.check_same("config", cfg.to_dict())
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
