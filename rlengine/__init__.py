@@ -6,6 +6,6 @@ one copy of its weights. See README.md for the two commands that start everythin
 
 __version__ = "0.1.0"
 
-from rlengine.engine import LLM, CompletionOutput, RequestOutput, SamplingParams  # noqa: E402
+from rlengine.engine import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

@@ -67,7 +67,7 @@ def _groups(outs, G: int) -> list[RolloutGroup]:
     groups = []
     for i in range(0, len(comps), G):
         cs = comps[i:i + G]
-        groups.append(RolloutGroup(i // G, prompts[i], [c.token_ids for c in cs], [c.logprobs for c in cs],
+        groups.append(RolloutGroup(i // G, prompts[i], [c.token_ids for c in cs], [c.token_logprobs for c in cs],
                                    [float(j % 2) for j in range(G)], [c.policy_versions for c in cs],
                                    [c.finish_reason for c in cs]))
     return groups

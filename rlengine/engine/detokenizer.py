@@ -11,8 +11,9 @@ prompt's last tokens, so the first generated token decodes in context. Simplific
 (`finish`) whatever is still held back is flushed, so the text of a finished sample equals one-shot
 decode(token_ids) for byte-level tokenizers; the window only grows while tokens add no text (skipped
 special tokens).
-Stop strings (vLLM semantics): searched in the newly emitted text plus the len(stop) - 1 characters
-before it; the text is cut at the first match, keeping the stop string with include_stop_str_in_output.
+Stop strings (vLLM semantics): searched, once more than min_tokens tokens exist, in the newly emitted
+text plus the len(stop) - 1 characters before it; the text is cut at the first match, keeping the stop
+string with include_stop_str_in_output.
 The token that completed the match stays in token_ids (tokens are never split).
 """
 
@@ -28,10 +29,10 @@ class Detokenizer:
     """Text of one sample's generated tokens, built incrementally; applies the request's stop strings."""
 
     __slots__ = ("tok", "skip_special", "stops", "include_stop", "ids", "prefix", "read", "text", "stop_reason",
-                 "_done")
+                 "_done", "min_tokens", "generated")
 
     def __init__(self, tok: Tokenizer, prompt_ids: list[int], *, skip_special_tokens: bool = True,
-                 stop: list[str] = (), include_stop_str_in_output: bool = False):
+                 stop: list[str] = (), include_stop_str_in_output: bool = False, min_tokens: int = 0):
         self.tok, self.skip_special = tok, skip_special_tokens
         self.stops, self.include_stop = list(stop), include_stop_str_in_output
         context = list(prompt_ids[-CONTEXT_TOKENS:])
@@ -42,6 +43,8 @@ class Detokenizer:
         self.text = ""                    # emitted text (cut at a stop string once one matched)
         self.stop_reason: str | None = None  # the stop string that matched
         self._done = False
+        self.min_tokens = min_tokens      # no stop string matches before more than this many tokens (vLLM)
+        self.generated = 0                # generated tokens taken
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.hf.decode(ids, skip_special_tokens=self.skip_special)
@@ -49,6 +52,7 @@ class Detokenizer:
     def add(self, token: int) -> bool:
         """Take one generated token; True when the text now contains a stop string (the sample must stop)."""
         self.ids.append(token)
+        self.generated += 1
         before = self._decode(self.ids[self.prefix:self.read])
         after = self._decode(self.ids[self.prefix:])
         if len(after) <= len(before) or after.endswith(REPLACEMENT):
@@ -59,7 +63,7 @@ class Detokenizer:
         # the next window starts where this one's new tokens start, as in vLLM
         self.prefix, self.read = self.read, len(self.ids)
         self.text += new
-        if not self.stops:
+        if not self.stops or self.generated <= self.min_tokens:
             return False
         for stop in self.stops:
             at = self.text.find(stop, max(0, len(self.text) - len(new) - len(stop) + 1))

@@ -2,7 +2,7 @@
 
     llm = LLM("tiny", max_num_seqs=32)                # or LLM(model) to decode with a live nn.Module
     outs = llm.generate(prompt_token_ids, SamplingParams(n=8, temperature=1.0, max_tokens=64))
-    outs[0].outputs[3].token_ids, .logprobs, .finish_reason;  outs.trace  # per-step records
+    outs[0].outputs[3].token_ids, .token_logprobs, .finish_reason;  outs.trace  # per-step records
     LLM(model=CHECKPOINT_DIR).generate(["Hello, my name is"], params)[0].outputs[0].text   # text in, text out
     llm.chat([{"role": "user", "content": "Hi"}], params)    # the checkpoint's chat template
 
@@ -30,7 +30,12 @@ up to its wall-clock generation time (the asymmetry fits rely on that).
 Engines on one device share one KV pool: LLM(model, kv_pool=other.kv_pool) decodes in the other
 engine's cache and blocks (the trainer's eval engine), never allocating a second cache. For a
 training run, size the pool with rlengine.analysis.memory_plan (num_kv_blocks=plan.num_kv_blocks):
-alone, an LLM on a GPU takes 0.8 x the free device memory.
+alone, an LLM on a GPU takes 0.8 x the free device memory, or with gpu_memory_utilization=u (vLLM's
+meaning) what is left of u x the device's total memory after everything already allocated (the weights
+included); the rest is the forward's activations and other processes. On a CPU the pool is sized by
+max_num_seqs x max_model_len (at most 2 GiB) and gpu_memory_utilization is checked but has no effect.
+vLLM arguments with one possible value here: tensor_parallel_size=1 and trust_remote_code=False (the
+model code is rlengine's own, one device); others are refused with the reason.
 On a GPU, decode steps replay CUDA graphs captured per batch bucket (cuda_graph.py) unless
 enforce_eager=True or the backend / MoE implementation cannot be captured; `cuda_graphs_off`
 says why they are off.
@@ -39,6 +44,7 @@ says why they are off.
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +59,7 @@ from rlengine.engine.cuda_graph import CudaGraph, DecodeGraphs, unsupported_reas
 from rlengine.engine.detokenizer import Detokenizer
 from rlengine.engine.kv_cache import KVCache, KVPool, bytes_per_block
 from rlengine.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
-from rlengine.engine.outputs import GenerateResult, RequestOutput, RequestState
+from rlengine.engine.outputs import GenerateResult, Logprob, RequestOutput, RequestState
 from rlengine.engine.prompts import Prompt, chat_prompts, parse_prompt, prompt_list
 from rlengine.engine.sampler import Sampler
 from rlengine.engine.sampling_params import SamplingParams, sample_seed
@@ -80,12 +86,35 @@ class _Launched:
     started: float        # perf_counter() when the step() that launched it began
 
 
-def _as_dtype(dtype) -> torch.dtype | None:
+def _as_dtype(dtype, model) -> torch.dtype | None:
+    """The weights' dtype; "auto" (vLLM's default) is a checkpoint's config.json torch_dtype (float32 when it
+    names none, and for presets), a live module's own dtype."""
+    if dtype == "auto":
+        if isinstance(model, Qwen3ForCausalLM):
+            return model.dtype
+        cfg = Path(str(model)) / "config.json"
+        raw = json.loads(cfg.read_text()) if cfg.is_file() else {}
+        name = raw.get("torch_dtype") or raw.get("dtype") or "float32"  # newer transformers write "dtype"
+        if name not in DTYPES:
+            raise ValueError(f"dtype='auto': {cfg} names torch_dtype {name!r}, rlengine runs {', '.join(DTYPES)}")
+        return DTYPES[name]
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization) -> None:
+    """vLLM arguments: the values rlengine can honour, or one error that says why not."""
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: rlengine runs the model on one device "
+                         "(the learner trains the same weights in place); only 1 is supported")
+    if trust_remote_code:
+        raise ValueError("trust_remote_code=True: rlengine runs its own Qwen3 / Qwen3-MoE code and never executes "
+                         "code shipped with a checkpoint; only False is supported")
+    if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
 
 
 def _build_model(model, dtype, device, moe_impl) -> Qwen3ForCausalLM:
@@ -114,9 +143,17 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, kv_pool: KVPool | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto", seed: int = 0,
                  moe_impl: str = "ref", record_routing: bool = False, enforce_eager: bool = False,
-                 cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False):
+                 cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False,
+                 gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
+                 trust_remote_code: bool = False):
+        _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization)
+        if gpu_memory_utilization is not None and (num_kv_blocks is not None or kv_cache_memory is not None
+                                                   or kv_pool is not None):
+            raise ValueError("gpu_memory_utilization sizes the KV pool; drop num_kv_blocks / kv_cache_memory / "
+                             "kv_pool, or it")
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.tokenizer, tokenizer_eos = _tokenizer(model, tokenizer)  # before the weights: a bad file fails fast
-        self.model = _build_model(model, _as_dtype(dtype), device, moe_impl)
+        self.model = _build_model(model, _as_dtype(dtype, model), device, moe_impl)
         cfg = self.model.config
         self.config = cfg
         self.device = self.model.device
@@ -158,6 +195,7 @@ class LLM:
         self.phase_listener = None
         # engine.* NVTX / profiler ranges (telemetry/nvtx.py): on for a CUDA device, inert on a CPU
         self.ranges = self.runner.ranges = PhaseRanges.for_device(self.device)
+        self._token_text: dict[int, str] = {}  # Logprob.decoded_token cache
         self._stashed: list[RequestOutput] = []  # outputs of other requests that finished inside generate()
         self.trace: list[StepRecord] = []
         self.requests: dict[str, RequestState] = {}
@@ -208,8 +246,14 @@ class LLM:
 
     def _default_num_blocks(self, budget, per_block, max_num_seqs, block_size) -> int:
         if budget is None and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free * 0.8)
+            u = self.gpu_memory_utilization
+            if u is not None:
+                budget = int(u * total) - (total - free)  # vLLM: u x total for this engine, weights included
+                if budget < per_block:
+                    raise ValueError(f"gpu_memory_utilization={u}: {u} x {total / 2**30:.1f} GiB leaves no room for "
+                                     f"a KV block after the {(total - free) / 2**30:.1f} GiB already in use; raise it")
         if budget is None:
             need = max_num_seqs * -(-self.max_model_len // block_size)
             return max(1, min(need, DEFAULT_CPU_KV_BYTES // per_block))
@@ -276,9 +320,12 @@ class LLM:
                 for i in range(params.n)]
         for seq in seqs if detok else ():
             seq.detok = Detokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
-        if params.top_logprobs:
+                                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                                    min_tokens=params.min_tokens)
+        if params.logprobs is not None or params.prompt_logprobs is not None:
             self.runner.top_logprobs_on = True
+        if params.has_rules:
+            self.runner.rules.on = True
         self.requests[request_id] = RequestState(request_id, ids, seqs, text)
         self.scheduler.add(seqs)
         return request_id
@@ -360,6 +407,8 @@ class LLM:
         done: dict[str, RequestState] = {}
         finished, pending = SequenceStatus.FINISHED, PENDING  # locals: this loop runs B times per step
         top = out.top
+        if out.prompt is not None:
+            self._record_prompt_logprobs(batch, out.prompt)
         for i, (seq, token, logprob) in enumerate(zip(batch.samples, out.tokens, out.logprobs)):
             if seq.status is finished:
                 continue  # aborted, or (overlap) stopped at the step before: this token is past its end
@@ -373,7 +422,8 @@ class LLM:
             seq.logprobs.append(logprob)
             seq.versions.append(version)
             if top is not None and seq.top_logprobs is not None:
-                seq.top_logprobs.append(_top_entry(top, i, seq.params.top_logprobs, token, logprob))
+                seq.top_logprobs.append(self._logprob_entry(top[0][i], top[1][i], seq.params.logprobs, token,
+                                                            logprob, top[2][i], seq.params))
             stop = token in seq.stop_ids
             if seq.detok is not None and (not stop or seq.detok.include_stop):
                 # vLLM: a stop token's own text is left out unless include_stop_str_in_output
@@ -401,21 +451,61 @@ class LLM:
             del self.requests[rid]
         return outputs
 
+    def _decoded(self, token: int, params: SamplingParams) -> str | None:
+        if self.tokenizer is None or params.detokenize is False:
+            return None
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
+    def _logprob_entry(self, ids: list[int], lps: list[float], k: int, token: int, logprob: float, rank: int,
+                       params: SamplingParams) -> dict[int, Logprob]:
+        """vLLM's per-position dict: the k most likely tokens (ranks 1..k; filtered-out -inf left out), then the
+        chosen token with its own rank."""
+        entry = {t: Logprob(lp, r + 1, self._decoded(t, params))
+                 for r, (t, lp) in enumerate(zip(ids[:k], lps[:k])) if lp != float("-inf")}
+        if token not in entry:
+            entry[token] = Logprob(logprob, rank, self._decoded(token, params))
+        return entry
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, prompt: dict) -> None:
+        """RequestState.prompt_logprobs of the prefilled sequences the runner scored: [None, {...}, ...]."""
+        for r, (ids, lps, tok_lps, ranks) in prompt.items():
+            seq = batch.seqs[r]
+            state = self.requests.get(seq.request_id)
+            if state is None or state.prompt_logprobs is not None:
+                continue
+            p = seq.params
+            state.prompt_logprobs = [None] + [
+                self._logprob_entry(ids[j], lps[j], p.prompt_logprobs, t, tok_lps[j], ranks[j], p)
+                for j, t in enumerate(seq.token_ids[1:seq.num_prompt_tokens])]
+
     # ---- batch API ---------------------------------------------------------------------------
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> GenerateResult:
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer (rlengine.model.tokenizer.Tokenizer: encode, decode, apply_chat_template,
+        eos_token_ids; `.hf` is the tokenizers.Tokenizer)."""
+        if self.tokenizer is None:
+            raise ValueError("get_tokenizer: this engine has none (it was built from an nn.Module); pass "
+                             "LLM(model, tokenizer=Tokenizer or checkpoint directory)")
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False) -> GenerateResult:
         """Generate for every prompt; returns RequestOutputs in prompt order (+ .trace, .stats).
 
         prompts: a list of prompts, each token ids (list[int]), a str, {"prompt_token_ids": [...]} or
         {"prompt": str}; or one str / dict. All prompts are validated before any is queued: a bad one
         raises ValueError naming its index and leaves the engine (and requests already in flight) untouched.
+        use_tqdm: a progress bar over the finished prompts (True, or a tqdm-like callable).
         """
         items = [parse_prompt(p, self.tokenizer, f"prompt {i}") for i, p in enumerate(prompt_list(prompts))]
-        return self._generate(items, sampling_params)
+        return self._generate(items, sampling_params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> GenerateResult:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             use_tqdm: bool = False) -> GenerateResult:
         """Generate replies to one conversation ([{"role", "content"}, ...]) or a list of them, rendered with
         the tokenizer's chat template (Tokenizer.apply_chat_template; chat_template_kwargs are extra template
         variables, chat_template a template name or source, tools JSON schemas for templates that take them).
@@ -423,9 +513,9 @@ class LLM:
         kwargs = {**(chat_template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
         items = chat_prompts(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                              chat_template=chat_template, kwargs=kwargs)
-        return self._generate(items, sampling_params)
+        return self._generate(items, sampling_params, use_tqdm)
 
-    def _generate(self, items: list[Prompt], sampling_params) -> GenerateResult:
+    def _generate(self, items: list[Prompt], sampling_params, use_tqdm=False) -> GenerateResult:
         params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(items)
         if len(plist) != len(items):
@@ -439,21 +529,30 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         pending = set(ids)
         others: list[RequestOutput] = []
+        bar = _progress_bar(use_tqdm, len(ids))
         while pending:
             for out in self.step():
                 if out.request_id in pending:
                     finished[out.request_id] = out
                     pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
                 else:  # a request added with add_request(): handed out by the next step()
                     others.append(out)
+        if bar is not None:
+            bar.close()
         self._stashed.extend(others)
         stats = {"preemptions": self.scheduler.num_preemptions - preempt_start,
                  "recomputed_tokens": self.scheduler.num_recomputed_tokens - recompute_start}
         return GenerateResult([finished[i] for i in ids], self.trace[trace_start:], stats)
 
 
-def _top_entry(top: tuple[list, list], row: int, k: int, token: int, logprob: float) -> dict[int, float]:
-    """A sample's top_logprobs entry: its k most likely ids -> log-prob (filtered-out -inf dropped), + the sampled."""
-    entry = {t: lp for t, lp in zip(top[0][row][:k], top[1][row][:k]) if lp != float("-inf")}
-    entry[token] = logprob
-    return entry
+def _progress_bar(use_tqdm, total: int):
+    """vLLM's generate progress bar: use_tqdm True (tqdm.auto.tqdm) or a tqdm-like callable; None when off."""
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        make = use_tqdm
+    else:
+        from tqdm.auto import tqdm as make
+    return make(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -3,11 +3,12 @@
 launch() = prepare (step_inputs.StepInputs: the step's inputs from the persistent per-row state,
 one non_blocking copy to the device), copy-on-write block copies, the attention backend's plan(),
 the forward (eager, or a CUDA-graph replay when `graphs` is set and the decode batch fits a
-bucket: both read the same input buffers), the LM head on each sequence's last token, the sampler,
+bucket: both read the same input buffers), the LM head on each sequence's last token, the sampler
+(with the step's penalties / min_tokens / min_p from sampling_rules.RuleState, when a row has one),
 and the packing of the sampled tokens, their log-probs and (when recorded) the MoE routing ids into
 one int32 buffer whose copy to the host is queued behind them. read() waits for that copy: the
-step's ONE device-to-host read (a step that carries a top_logprobs request reads its [N, k] top-k
-too, after that one); nothing else in a decode step reads the device
+step's ONE device-to-host read (a step that carries a logprobs / prompt_logprobs request reads its
+top-k and ranks too, after that one); nothing else in a decode step reads the device
 (tests/engine/test_host_reads.py counts it, tests/gpu/test_engine_sync_and_backends_gpu.py runs under sync-debug mode).
 run() = read(launch()). With overlap (LLM(async_scheduling=True)) the LLM launches step t+1 before
 reading step t: inputs whose token step t is still sampling are gathered on the device from step
@@ -25,7 +26,8 @@ import torch
 
 from rlengine.engine.attention import AttentionBackend
 from rlengine.engine.kv_cache import KVCache
-from rlengine.engine.sampler import Sampler
+from rlengine.engine.sampler import Sampler, top_logprobs
+from rlengine.engine.sampling_rules import RuleState
 from rlengine.engine.scheduler import ScheduledBatch
 from rlengine.engine.step_inputs import PreparedStep, StepInputs
 from rlengine.model.moe import engine_routing, recorded_routing
@@ -40,7 +42,9 @@ class StepOutput:
     tokens: list[int]                     # [N] sampled token ids
     logprobs: list[float]                 # [N] their log-probs (SamplingParams.logprobs_mode)
     routing: list[np.ndarray] | None      # [N] expert ids [tokens of the sample's row, L, K] int32, or None
-    top: tuple[list, list] | None = None  # top_logprobs: ([N][k] token ids, [N][k] log-probs), or None
+    top: tuple[list, list, list] | None = None  # logprobs: ([N][k] top ids, [N][k] log-probs, [N] ranks), or None
+    prompt: dict | None = None            # prompt_logprobs: batch.seqs index -> (top ids [L-1][k], top
+    #                                       log-probs [L-1][k], prompt-token log-probs [L-1], ranks [L-1])
 
 
 @dataclass(slots=True)
@@ -56,7 +60,8 @@ class LaunchedStep:
     ids_shape: tuple[int, ...] | None     # [T, L, K] of the routing ids, or None
     event: torch.cuda.Event | None        # recorded after the output copy (GPU)
     launched_at: float                    # perf_counter() at launch
-    top: tuple[torch.Tensor, torch.Tensor] | None = None  # top_logprobs: ids [N, k] int64, log-probs [N, k] fp32
+    top: tuple[torch.Tensor, ...] | None = None  # logprobs: ids [N, k] int64, log-probs [N, k] fp32, ranks [N]
+    prompt: dict | None = None            # prompt_logprobs: batch.seqs index -> 4 tensors (StepOutput.prompt)
 
 
 class ModelRunner:
@@ -68,8 +73,9 @@ class ModelRunner:
         self.record_routing = record_routing
         self.moe_blocks = model.moe_blocks()
         self.graphs = None  # cuda_graph.DecodeGraphs, set by the LLM when decode graphs are on
-        # set by the LLM once a request asks for top_logprobs; until then no step looks at the params
+        # set by the LLM once a request asks for logprobs / prompt_logprobs; until then no step looks at them
         self.top_logprobs_on = False
+        self.rules = RuleState(self.device, model.config.vocab_size)  # penalties, min_tokens, min_p
         self.ranges = PhaseRanges()  # engine.prepare / forward / sample ranges (the LLM shares its own)
         # The packed output buffer: tokens [N] | log-prob bits [N] | routing ids [T, L, K], int32; two
         # slots under overlap (step t+1 packs while step t's copy may still be unread).
@@ -110,6 +116,7 @@ class ModelRunner:
                 self.kv_cache.copy_blocks(*prep.copies)
             if bs is None:
                 self.backend.plan(fb)
+        prompt = None
         with self.ranges("engine.forward"):
             if bs is not None:
                 hidden_TC, ids_TLK = self.graphs.replay(bs, fb)
@@ -119,21 +126,25 @@ class ModelRunner:
                 engine_routing(self.moe_blocks, self.record_routing)
                 hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend, fast=True)
                 ids_TLK = recorded_routing(self.moe_blocks) if self.record_routing else None
+                prompt = self._prompt_logprobs(batch, fb, hidden_TC) if self.top_logprobs_on else None
                 if fb.logits_indices is not None:
                     hidden_TC = hidden_TC[fb.logits_indices]
             logits_NV = self.model.compute_logits(hidden_TC)
         with self.ranges("engine.sample"):
             if prep.sb.logits_rows is not None:  # prefill: every member of a group samples its leader's row
                 logits_NV = logits_NV[prep.sb.logits_rows]
-            k = max(s.params.top_logprobs for s in batch.samples) if self.top_logprobs_on else 0
+            rules = self.rules.for_step(batch.samples, prep.sample_rows, batch.kind == "prefill")
+            ks = [s.params.logprobs for s in batch.samples if s.params.logprobs is not None] \
+                if self.top_logprobs_on else ()
             top = None
-            if k:
-                tokens_N, logprobs_N, top_ids, top_lps = self.sampler.sample_with_top(logits_NV, prep.sb, k)
-                top = (top_ids, top_lps)
+            if ks:
+                tokens_N, logprobs_N, *top = self.sampler.sample_with_top(logits_NV, prep.sb, max(ks), rules)
             else:
-                tokens_N, logprobs_N = self.sampler(logits_NV, prep.sb)
+                tokens_N, logprobs_N = self.sampler(logits_NV, prep.sb, rules)
+            if rules is not None:
+                rules.count(tokens_N)
             step = self._queue_outputs(batch, prep, tokens_N, logprobs_N, ids_TLK)
-            step.top = top
+            step.top, step.prompt = top, prompt
         self.inputs.launched(prep, step.step_id if self.inputs.overlap else None)
         return step
 
@@ -163,9 +174,29 @@ class ModelRunner:
         (only the `live` samples [N] bool under overlap: the others left their rows meanwhile)."""
         tokens, logprobs, ids = self._read_outputs(step)
         self.inputs.tokens_read(step.prep, tokens, live)
-        top = None if step.top is None else (step.top[0].tolist(), step.top[1].tolist())  # the extra read
+        top = None if step.top is None else tuple(t.tolist() for t in step.top)  # the extra read
+        prompt = None if step.prompt is None else {r: tuple(t.tolist() for t in v) for r, v in step.prompt.items()}
         return StepOutput(tokens.tolist(), logprobs.tolist(), self._routing_per_sample(step.batch, step.prep, ids),
-                          top)
+                          top, prompt)
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, fb, hidden_TC: torch.Tensor) -> dict | None:
+        """prompt_logprobs of the prefilled sequences that ask for them and have no output yet (a recompute
+        already reported them): per sequence, position j < L - 1 scores prompt token j + 1 under
+        log_softmax(logits_j / T) (T = 1 for greedy)."""
+        if batch.kind != "prefill":
+            return None
+        out = {}
+        for r, seq in enumerate(batch.seqs):
+            p = seq.params
+            if p.prompt_logprobs is None or len(seq.token_ids) != seq.num_prompt_tokens:
+                continue
+            a, L = fb.qo_indptr[r], seq.num_prompt_tokens
+            z_LV = self.model.compute_logits(hidden_TC[a:a + L - 1]).float()
+            if not p.greedy:
+                z_LV = z_LV / torch.full((L - 1, 1), p.temperature, dtype=torch.float32, device=z_LV.device)
+            targets = torch.tensor(seq.token_ids[1:L], dtype=torch.int64, device=z_LV.device)
+            out[r] = top_logprobs(z_LV.log_softmax(dim=-1), targets, p.prompt_logprobs)
+        return out or None
 
     def _read_outputs(self, step: LaunchedStep):
         """The step's one device-to-host read: wait for the queued copy. Returns host numpy views (valid

@@ -1,11 +1,14 @@
 """Sampler: logits of each sample's last token -> next token and its log-prob, on the device.
 
-Per row: greedy (temperature 0), or temperature with optional top-k and top-p filtering.
+Per row: greedy (temperature 0), or temperature with optional top-k and top-p filtering; rows with
+the rules of sampling_rules.py (min_tokens, penalties before temperature, min_p after it) get them
+from a StepRules (None when no row of the step has one: the plain path is unchanged).
 Returned log-prob, per the row's SamplingParams.logprobs_mode: "raw" = log_softmax(logits / T)
-over the full vocabulary, before filtering; "processed" = log_softmax(filter_logits(logits / T)),
-the distribution the token was drawn from (taken only for rows with a filter: without one the two
-are the same numbers). Greedy rows get log_softmax(logits) in both modes. sequence_logprobs is the
-learner's side: the same definition, through the same filter_logits, differentiable.
+over the full vocabulary, before the rules and filtering; "processed" = log_softmax of the logits
+the token was drawn from (taken only for rows with a filter or a rule: without one the two
+are the same numbers). Greedy rows get log_softmax(logits) (processed: of the penalised logits).
+sequence_logprobs is the learner's side for temperature / top-k / top-p: the same definition,
+through the same filter_logits, differentiable.
 
 Drawing: an exponential race over the filtered logits, argmax_v (z_v - log E_v) with E_v ~ Exp(1)
 i.i.d. (Gumbel-max), which picks v with probability exactly softmax(z)_v; a filtered-out token
@@ -30,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from rlengine.engine.sampling_params import LOGPROBS_MODES, SamplingParams
+from rlengine.engine.sampling_rules import StepRules
 from rlengine.types import SamplingBatch
 
 # Bits of SamplingBatch.kind, one int per sample.
@@ -194,38 +198,52 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits_NV: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, logits_NV: torch.Tensor, sb: SamplingBatch,
+                 rules: StepRules | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [N, V] (any float dtype) -> (token ids [N] int64, log-probs [N] fp32), on the device.
 
         No host sync, no host-to-device copy: the per-sample inputs are device views of the step's
-        staging copy, and the path is chosen from sb's host flags.
+        staging copy, and the path is chosen from sb's host flags (rules, when a row has one: small index
+        tensors uploaded by sampling_rules.RuleState.for_step).
         """
-        tokens_N1, z_NV = self._draw(logits_NV, sb)
+        tokens_N1, z_NV = self._draw(logits_NV, sb, rules)
         return tokens_N1.view(-1), z_NV.log_softmax(dim=-1).gather(1, tokens_N1).view(-1)
 
-    def sample_with_top(self, logits_NV: torch.Tensor, sb: SamplingBatch, k: int):
+    def sample_with_top(self, logits_NV: torch.Tensor, sb: SamplingBatch, k: int, rules: StepRules | None = None):
         """As __call__, plus the k most likely tokens of each row's log-prob distribution (the one its
-        sampled token's log-prob is taken from): (tokens [N], log-probs [N], top ids [N, k] int64, top
-        log-probs [N, k] fp32; -inf where a filter left fewer than k tokens). One top-k over [N, V]."""
-        tokens_N1, z_NV = self._draw(logits_NV, sb)
-        lp_NV = z_NV.log_softmax(dim=-1)
-        top_lp, top_ids = lp_NV.topk(min(k, lp_NV.shape[1]), dim=-1)
-        return tokens_N1.view(-1), lp_NV.gather(1, tokens_N1).view(-1), top_ids, top_lp
+        sampled token's log-prob is taken from) and the sampled token's rank in it: (tokens [N], log-probs
+        [N], top ids [N, k] int64, top log-probs [N, k] fp32 (-inf where a filter left fewer than k tokens),
+        ranks [N] int64). One top-k and one compare over [N, V]."""
+        tokens_N1, z_NV = self._draw(logits_NV, sb, rules)
+        top_ids, top_lp, lp_N, rank_N = top_logprobs(z_NV.log_softmax(dim=-1), tokens_N1.view(-1), k)
+        return tokens_N1.view(-1), lp_N, top_ids, top_lp, rank_N
 
-    def _draw(self, logits_NV: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(self, logits_NV: torch.Tensor, sb: SamplingBatch,
+              rules: StepRules | None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (token ids [N, 1] int64, z [N, V] fp32 whose log_softmax defines each row's log-prob)."""
         logits = logits_NV.float()
+        adjusted = logits if rules is None else rules.before_temperature(logits)  # min_tokens, penalties
         if not sb.kinds_any & SAMPLED:  # all greedy: max() is ~3x faster than argmax() on the CPU
-            return logits.max(dim=-1, keepdim=True)[1], logits
-        z = logits / sb.temperature[:, None]  # greedy rows carry temperature 1: z = logits there
+            tokens = adjusted.max(dim=-1, keepdim=True)[1]
+            if rules is not None and rules.processed is not None:
+                return tokens, torch.where(rules.processed, adjusted, logits)
+            return tokens, logits
+        z = adjusted / sb.temperature[:, None]  # greedy rows carry temperature 1: z = logits there
+        if rules is not None:
+            z = rules.apply_min_p(z)
         filtered = filter_logits(z, sb.top_k, sb.top_p, sb.max_top_k) if sb.kinds_any & FILTERED else z
         tokens = self._race(filtered, sb)
+        sampled = None
         if not sb.kinds_all & SAMPLED:
-            greedy = ((sb.kind & SAMPLED) == 0)[:, None]
-            tokens = torch.where(greedy, logits.max(dim=-1, keepdim=True)[1], tokens)
+            sampled = ((sb.kind & SAMPLED) != 0)[:, None]
+            tokens = torch.where(sampled, tokens, adjusted.max(dim=-1, keepdim=True)[1])
+        raw = z if rules is None else logits / sb.temperature[:, None]  # before the rules
         if sb.kinds_any & PROCESSED:  # one log_softmax: filtered rows where processed, raw elsewhere
-            z = torch.where(((sb.kind & PROCESSED) != 0)[:, None], filtered, z)
-        return tokens, z
+            raw = torch.where(((sb.kind & PROCESSED) != 0)[:, None], filtered, raw)
+        if rules is not None and rules.processed is not None:
+            after = filtered if sampled is None else torch.where(sampled, filtered, adjusted)
+            raw = torch.where(rules.processed, after, raw)
+        return tokens, raw
 
     def _race(self, x_NV: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         """Two-level exponential race over logits x [N, V] (-inf = excluded) -> token ids [N, 1] int64."""
@@ -249,6 +267,16 @@ class Sampler:
         if not sb.kinds_any & SEEDED:
             return rng
         return torch.where(((sb.kind & SEEDED) != 0)[:, None], hashed_exponentials(sb.seed_keys, M), rng)
+
+
+def top_logprobs(lp_NV: torch.Tensor, tokens_N: torch.Tensor, k: int):
+    """vLLM's log-prob records from log-probs [N, V] fp32 and chosen tokens [N] int64: (top ids [N, k] int64,
+    top log-probs [N, k], the tokens' log-probs [N], their ranks [N] int64 = 1 + the number of tokens with a
+    strictly higher log-prob; the top-k's own ranks are 1..k)."""
+    top_lp, top_ids = lp_NV.topk(min(k, lp_NV.shape[1]), dim=-1)
+    lp_N = lp_NV.gather(1, tokens_N.view(-1, 1)).view(-1)
+    rank_N = (lp_NV > lp_N[:, None]).sum(dim=-1) + 1
+    return top_ids, top_lp, lp_N, rank_N
 
 
 def sequence_logprobs(logits_TV: torch.Tensor, targets_T: torch.Tensor, *, temperature: float, top_k: int = -1,

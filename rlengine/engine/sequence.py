@@ -55,7 +55,8 @@ class Sequence:
         self.routing_ids: list[np.ndarray] = []  # per step [tokens, L_moe, K] expert ids (routing replay)
         self.detok = None                       # engine.detokenizer.Detokenizer when the sample needs text
         self.stop_reason: int | str | None = None  # stop string / stop token id that finished it (not EOS)
-        self.top_logprobs: list[dict[int, float]] | None = [] if params.top_logprobs else None
+        # SamplingParams.logprobs: per generated token {token id: outputs.Logprob} (CompletionOutput.logprobs)
+        self.top_logprobs: list[dict] | None = [] if params.logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)

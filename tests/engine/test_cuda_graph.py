@@ -64,7 +64,7 @@ def test_graph_replay_matches_transformers_and_eager(dense):
     for prompt, p, out, ref in zip(prompts, params, outs, eager):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, p.max_tokens), f"prompt of length {len(prompt)}"
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        torch.testing.assert_close(torch.tensor(out.outputs[0].logprobs), torch.tensor(ref.outputs[0].logprobs),
+        torch.testing.assert_close(torch.tensor(out.outputs[0].token_logprobs), torch.tensor(ref.outputs[0].token_logprobs),
                                    atol=1e-5, rtol=0)
     decode_bs = {r.b_act for r in outs.trace if r.kind == "decode"}
     assert graphs.num_replays == sum(r.kind == "decode" for r in outs.trace) > 0

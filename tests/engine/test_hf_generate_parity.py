@@ -51,7 +51,7 @@ def test_greedy_matches_transformers(models, kind, backend, num_prompts, max_len
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1:-1]
         ref = logits.log_softmax(-1).gather(1, torch.tensor(toks)[:, None])[:, 0]
-        assert (torch.tensor(out.outputs[0].logprobs) - ref).abs().max() < 1e-4
+        assert (torch.tensor(out.outputs[0].token_logprobs) - ref).abs().max() < 1e-4
 
 
 def test_sampled_logprobs_use_temperature(models):
@@ -65,7 +65,7 @@ def test_sampled_logprobs_use_temperature(models):
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1:-1] / 0.7
         ref = logits.log_softmax(-1).gather(1, torch.tensor(toks)[:, None])[:, 0]
-        assert (torch.tensor(out.outputs[0].logprobs) - ref).abs().max() < 1e-4
+        assert (torch.tensor(out.outputs[0].token_logprobs) - ref).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp"])
@@ -80,4 +80,4 @@ def test_unwritten_cache_memory_never_leaks_into_outputs(models, backend):
     dirty = llm.generate(prompts, params)
     for a, b in zip(clean, dirty):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        assert all(lp == lp for lp in b.outputs[0].logprobs), "NaN log-prob"
+        assert all(lp == lp for lp in b.outputs[0].token_logprobs), "NaN log-prob"

@@ -97,8 +97,8 @@ def test_the_counter_sees_a_planted_read(monkeypatch):
     llm.add_request([5, 6, 7], MIXED[2])
     llm.step()  # prefill
     orig = sampler_mod.Sampler.__call__
-    monkeypatch.setattr(sampler_mod.Sampler, "__call__",
-                        lambda self, logits, sb: (sb.temperature.tolist(), orig(self, logits, sb))[1])
+    monkeypatch.setattr(sampler_mod.Sampler, "__call__", lambda self, logits, sb, rules=None: (
+        sb.temperature.tolist(), orig(self, logits, sb, rules))[1])
     counter = HostReadCounter(monkeypatch)
     llm.step()
     assert counter.outputs == 1 and counter.reads == ["tolist"]

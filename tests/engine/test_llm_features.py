@@ -32,7 +32,7 @@ def _assert_same(outs, refs):
         for a, b in zip(out.outputs, ref.outputs):
             assert a.token_ids == b.token_ids
             assert a.finish_reason == b.finish_reason
-            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), **tol(torch.float32))
+            torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), **tol(torch.float32))
 
 
 def _llm(name="tiny", **kw):
@@ -73,7 +73,7 @@ def test_fork_prefills_once_and_matches_independent_requests(model, backend, pro
     assert [c.index for c in out.outputs] == list(range(G))
     for i, ref in enumerate(refs):
         assert out.outputs[i].token_ids == ref.outputs[0].token_ids, f"sample {i}"
-        torch.testing.assert_close(torch.tensor(out.outputs[i].logprobs), torch.tensor(ref.outputs[0].logprobs),
+        torch.testing.assert_close(torch.tensor(out.outputs[i].token_logprobs), torch.tensor(ref.outputs[0].token_logprobs),
                                    **tol(torch.float32))
     # the samples really differ (the fork did not collapse them onto one generator)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1

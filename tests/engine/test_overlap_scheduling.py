@@ -58,7 +58,7 @@ def _assert_same(outs, refs):
     for out, ref in zip(outs, refs):
         for a, b in zip(out.outputs, ref.outputs):
             assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
-            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), **tol(torch.float32))
+            torch.testing.assert_close(torch.tensor(a.token_logprobs), torch.tensor(b.token_logprobs), **tol(torch.float32))
 
 
 @pytest.mark.parametrize("graphs,kv_blocks", [(False, None), (False, 20), (True, 20)],

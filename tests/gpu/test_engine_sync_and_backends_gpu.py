@@ -90,7 +90,7 @@ def test_flashinfer_matches_the_torch_oracle(model):
         out = LLM(model, max_num_seqs=3, attention_backend="flashinfer", enforce_eager=eager).generate(prompts, params)
         for a, b in zip(out, ref):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"eager={eager}"
-            torch.testing.assert_close(torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs),
+            torch.testing.assert_close(torch.tensor(a.outputs[0].token_logprobs), torch.tensor(b.outputs[0].token_logprobs),
                                        atol=5e-2, rtol=0)
 
 

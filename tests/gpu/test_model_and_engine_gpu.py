@@ -46,7 +46,7 @@ def test_cuda_graph_decode_matches_eager(name):
     assert g.runner.graphs.num_replays == sum(r.kind == "decode" for r in a.trace) > 0
     for x, y in zip(a, b):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        torch.testing.assert_close(torch.tensor(x.outputs[0].logprobs), torch.tensor(y.outputs[0].logprobs),
+        torch.testing.assert_close(torch.tensor(x.outputs[0].token_logprobs), torch.tensor(y.outputs[0].token_logprobs),
                                    atol=1e-4, rtol=0)
         if moe:
             assert torch.equal(x.outputs[0].routing_ids, y.outputs[0].routing_ids)
@@ -139,7 +139,7 @@ def test_bf16_cuda_graph_decode_equals_eager_at_bucket_batch(name):
     assert all(r.b_act == 4 for r in g.trace if r.kind == "decode")
     for x, y in zip(g, e):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        assert x.outputs[0].logprobs == y.outputs[0].logprobs
+        assert x.outputs[0].token_logprobs == y.outputs[0].token_logprobs
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -171,7 +171,7 @@ def test_bf16_engine_logprobs_match_transformers_teacher_forced(kind, tmp_path):
         with torch.no_grad():
             logp_TV = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
         want = logp_TV[len(prompt) - 1:-1].gather(1, torch.tensor(completion, device="cuda")[:, None]).squeeze(1)
-        errs.append((torch.tensor(out.outputs[0].logprobs, device="cuda") - want).abs())
+        errs.append((torch.tensor(out.outputs[0].token_logprobs, device="cuda") - want).abs())
     err = torch.cat(errs)
     assert err.max() <= 0.25 and err.mean() <= 0.03, f"max {err.max():.3g}, mean {err.mean():.3g}"
 
@@ -183,3 +183,17 @@ def test_bf16_engine_logprobs_match_the_learner():
     batch = rollout_batch(model, G=4, prompts=8, max_tokens=16, backend="triton").to("cuda")
     d = learner_minus_engine(model, batch, fused=True)
     assert d.max() < MAX_LOW and d.mean() < MEAN_LOW, (d.max().item(), d.mean().item())
+
+
+def test_gpu_memory_utilization_bounds_what_the_engine_holds():
+    """vLLM's meaning: after the engine is built, the device's used memory stays within u x total (the KV pool
+    takes what the weights and earlier allocations leave of it). A fraction below what is in use is refused."""
+    free, total = torch.cuda.mem_get_info()
+    u = min(1.0, (total - free + 512 * 2**20) / total)
+    llm = LLM("tiny", gpu_memory_utilization=u, max_num_seqs=4)
+    free_after, _ = torch.cuda.mem_get_info()
+    pool = llm.kv_cache.data.numel() * llm.kv_cache.data.element_size()
+    assert total - free_after <= u * total + 64 * 2**20  # allocator rounding
+    assert pool >= 256 * 2**20  # most of the 512 MiB head-room went to the KV pool
+    with pytest.raises(ValueError, match="gpu_memory_utilization=.* leaves no room"):
+        LLM("tiny", gpu_memory_utilization=(total - free_after) / total / 2)

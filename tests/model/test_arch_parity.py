@@ -123,7 +123,7 @@ def test_engine_greedy_matches_transformers(checkpoints, name, backend, num_prom
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + toks])).logits[0, len(prompt) - 1:-1]
         ref = logits.log_softmax(-1).gather(1, torch.tensor(toks)[:, None])[:, 0]
-        assert (torch.tensor(out.outputs[0].logprobs) - ref).abs().max() < 1e-4
+        assert (torch.tensor(out.outputs[0].token_logprobs) - ref).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("name", NAMES)

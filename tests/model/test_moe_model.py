@@ -50,7 +50,7 @@ def _groups(llm, seed):
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, CFG.vocab_size, (int(n),), generator=gen).tolist() for n in (4, 9, 6)]
     outs = llm.generate(prompts, SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=seed, ignore_eos=True))
-    return [RolloutGroup(i, o.prompt_token_ids, [c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs],
+    return [RolloutGroup(i, o.prompt_token_ids, [c.token_ids for c in o.outputs], [c.token_logprobs for c in o.outputs],
                          [1.0, 0.0], [c.policy_versions for c in o.outputs], [c.finish_reason for c in o.outputs],
                          [c.routing_ids for c in o.outputs]) for i, o in enumerate(outs)]
 

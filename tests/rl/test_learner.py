@@ -28,7 +28,7 @@ def _rollouts(llm, num_prompts, G, seed=0, max_tokens=7):
     for i, out in enumerate(outs):
         rewards = [float(len(c.token_ids) % 3) for c in out.outputs]  # varied, includes equal-reward groups
         groups.append(RolloutGroup(i, out.prompt_token_ids, [c.token_ids for c in out.outputs],
-                                   [c.logprobs for c in out.outputs], rewards,
+                                   [c.token_logprobs for c in out.outputs], rewards,
                                    [c.policy_versions for c in out.outputs], [c.finish_reason for c in out.outputs]))
     return groups
 

@@ -21,7 +21,7 @@ def rollout_batch(model, *, G=3, prompts=4, max_tokens=9, seed=6, backend="auto"
     gen = torch.Generator().manual_seed(seed)
     ids = [torch.randint(3, 60, (int(n),), generator=gen).tolist() for n in torch.randint(2, 12, (prompts,), generator=gen)]
     outs = llm.generate(ids, SamplingParams(n=G, temperature=1.0, max_tokens=max_tokens, seed=seed))
-    groups = [RolloutGroup(i, o.prompt_token_ids, [c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs],
+    groups = [RolloutGroup(i, o.prompt_token_ids, [c.token_ids for c in o.outputs], [c.token_logprobs for c in o.outputs],
                            [float(j) for j in range(G)], [c.policy_versions for c in o.outputs],
                            [c.finish_reason for c in o.outputs]) for i, o in enumerate(outs)]
     return grpo_batch(groups, normalize_std=True)

@@ -129,7 +129,7 @@ def test_learner_update_emits_its_phase_ranges():
     assert not learner.ranges.enabled                         # CPU: inert
     nv = FakeNvtx()
     learner.ranges = PhaseRanges(nvtx=nv)
-    groups = [RolloutGroup(i, o.prompt_token_ids, [c.token_ids for c in o.outputs], [c.logprobs for c in o.outputs],
+    groups = [RolloutGroup(i, o.prompt_token_ids, [c.token_ids for c in o.outputs], [c.token_logprobs for c in o.outputs],
                            [0.0, 1.0], [c.policy_versions for c in o.outputs], ["length"] * 2)
               for i, o in enumerate(outs)]
     learner.step(grpo_batch(groups, normalize_std=True))

@@ -287,7 +287,7 @@ class RolloutCollector:
         out, errors_before = pending.out, scorer.errors
         rewards = [scorer.record(o) for o in self.runner.gather(pending.ticket)]
         return RolloutGroup(pending.problem_index, out.prompt_token_ids, [c.token_ids for c in out.outputs],
-                            [c.logprobs for c in out.outputs], rewards, [c.policy_versions for c in out.outputs],
+                            [c.token_logprobs for c in out.outputs], rewards, [c.policy_versions for c in out.outputs],
                             [c.finish_reason for c in out.outputs],
                             [c.routing_ids for c in out.outputs if c.routing_ids is not None],
                             scorer.errors - errors_before)
