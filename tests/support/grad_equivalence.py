@@ -15,9 +15,9 @@ torch.set_num_threads(1)
 from rlengine import LLM, SamplingParams  # noqa: E402
 from rlengine.config import ConfigError, preset  # noqa: E402
 from rlengine.model.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from rlengine.rl.learner.batching import TrainBatch, pack  # noqa: E402
+from rlengine.rl.learner.batching import pack  # noqa: E402
 from rlengine.rl.config import TrainSection  # noqa: E402
-from rlengine.rl.distributed import Dist, init_from_env  # noqa: E402
+from rlengine.rl.distributed import init_from_env  # noqa: E402
 from rlengine.rl.learner.learner import Learner  # noqa: E402
 
 
