@@ -131,7 +131,7 @@ def _cmd_generate(args) -> int:
 def _cmd_train(args) -> int:
     from rlengine.rl.trainer.loop import Trainer
 
-    if args.nproc is not None:
+    if args.nproc is not None or args.nnodes > 1:
         return _launch(args)
     # --resume: the run's own config; only overrides that keep its meaning apply (RESUME_OVERRIDABLE)
     cfg = _train_config(args)
@@ -190,15 +190,24 @@ def _launch(args) -> int:
 
     from rlengine.config import ConfigError
 
+    args.nproc = 1 if args.nproc is None else args.nproc  # --nnodes alone: one rank per node
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--nnodes must be >= 1 and --node-rank in [0, {args.nnodes}), got --nnodes "
+                          f"{args.nnodes} --node-rank {args.node_rank}")
     cfg = _train_config(args)
     argv = ["train"] + (["--config", args.config] if args.config else []) + ["--algo", args.algo]
     argv += (["--resume", args.resume] if args.resume else []) + list(args.overrides)
     argv += [] if args.resume else ["--run.out_dir", cfg.run.out_dir]  # every rank writes where this one chose
     argv += ["--profile", args.profile, "--profile-window", args.profile_window] if args.profile else []  # rank 0 writes
+    # one node: torchrun --standalone; several: every node's launcher meets at --master-addr:port
+    # (torchrun's static rendezvous, a c10d store on node 0), node ranks as given
+    where = ["--standalone"] if args.nnodes == 1 else [
+        "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
+        "--master-port", str(args.master_port)]
     launcher = get_args_parser().parse_args(
-        ["--nproc-per-node", str(args.nproc), "--standalone", "-m", "rlengine", *argv])
+        ["--nproc-per-node", str(args.nproc), *where, "-m", "rlengine", *argv])
     try:
         run(launcher)
     except Exception as exc:  # noqa: BLE001 - a rank failed: it printed its own error; say which, once
@@ -206,10 +215,25 @@ def _launch(args) -> int:
 
         if not isinstance(exc, ChildFailedError):
             raise
-        failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(exc.failures.items()))
+        failures = ", ".join(f"rank {r} ({_how_it_ended(f.exitcode)})" for r, f in sorted(exc.failures.items()))
         print(f"rlengine train: {failures} failed; the job was stopped", file=sys.stderr)
         return 1
     return 0
+
+
+def _how_it_ended(exitcode: int) -> str:
+    """A rank's exit code in words: a negative one is the signal that killed it."""
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    import signal
+
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    if -exitcode == signal.SIGKILL:
+        return f"killed by {name}, likely out of memory (the kernel's OOM killer sends it)"
+    return f"stopped by {name}"
 
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
@@ -325,6 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     p.add_argument("--nproc", type=int, default=None, metavar="K",
                    help="run K ranks on this node (torchrun; one device each, gloo on CPU, nccl on CUDA)")
+    p.add_argument("--nnodes", type=int, default=1, metavar="N",
+                   help="with --nproc: nodes in the job; run the same command on each (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, metavar="R", help="with --nnodes: this node's rank")
+    p.add_argument("--master-addr", default="127.0.0.1", metavar="A", help="with --nnodes: node 0's address")
+    p.add_argument("--master-port", type=int, default=29500, metavar="P", help="with --nnodes: a free port on node 0")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a torch.profiler trace (Chrome / Perfetto JSON) of --profile-window updates to DIR")
     p.add_argument("--profile-window", default="1:2", metavar="START:STOP",

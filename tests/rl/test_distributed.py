@@ -222,3 +222,32 @@ def test_gradient_reductions_are_fp32_and_ddp_reduces_once_per_update(tmp_path):
     assert sum(n for _, _, n in grads["ddp"]) == res["params"], grads["ddp"]
     assert {dt for _, dt, _ in grads["ddp"]} == {"float32"}
     assert grads["fsdp"] and {(op, dt) for op, dt, _ in grads["fsdp"]} == {("reduce_scatter_single", "float32")}
+
+
+def test_two_nodes_of_one_rank_reproduce_the_two_rank_run(tmp_path):
+    """--nnodes 2: two launchers (one per "node", both on 127.0.0.1) meet through torchrun's rendezvous
+    and train exactly what one node with two ranks trains."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    job = [*SMALL, "--train.updates", "2", "--run.out_dir", str(tmp_path / "nodes")]
+    nodes = [subprocess.Popen([sys.executable, "-m", "rlengine", "train", "--nnodes", "2", "--node-rank", str(r),
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), *job], cwd=ROOT,
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    for node in nodes:
+        _, err = node.communicate(timeout=300)
+        assert node.returncode == 0, err[-3000:]
+    one_node = _train(2, tmp_path / "node", "--train.updates", "2")
+    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    _same_run(_metrics(tmp_path / "nodes"), _metrics(tmp_path / "node"))
+
+
+def test_a_killed_rank_is_named_with_how_it_died():
+    from rlengine.cli import _how_it_ended
+
+    assert _how_it_ended(1) == "exit code 1"
+    assert _how_it_ended(-9) == "killed by SIGKILL, likely out of memory (the kernel's OOM killer sends it)"
+    assert _how_it_ended(-15) == "stopped by SIGTERM"
