@@ -25,6 +25,7 @@ class RolloutGroup:
     reward_errors: int = 0
     scores: list[float] = field(default_factory=list)        # [G] task rewards before shaping ([] = rewards)
     loss_weights: list[float] = field(default_factory=list)  # [G] 0 excludes a response from the loss; [] = all 1
+    token_credits: list[list[float]] = field(default_factory=list)  # [G][len] per-token credit (train.credit = token)
 
     def lag(self, version: int) -> int:
         """Policy lag: updates between the oldest token of the group and the consuming update."""

@@ -14,6 +14,30 @@ import torch
 from torch import Tensor
 
 
+def grpo_token_advantages(credits_G: list[list[float]], *, normalize_std: bool = True,
+                          eps: float = 1e-6) -> list[list[float]]:
+    """Group-relative advantages per token position (train.credit = "token").
+
+    credits_G: the G responses of one prompt, one credit per token. The advantage of token t of
+    response g compares its credit with the credits at position t of the group's responses that have
+    a token there: (c[g][t] - mean_t) / (std_t + eps) (unbiased std, as grpo_advantages), exactly 0
+    where those credits are all equal or only one response reaches t. Each deciding token is judged
+    by its own outcome, not by the sum over the whole response.
+    """
+    longest = max((len(c) for c in credits_G), default=0)
+    out = [[0.0] * len(c) for c in credits_G]
+    for t in range(longest):
+        rows = [g for g, c in enumerate(credits_G) if len(c) > t]
+        vals = [credits_G[g][t] for g in rows]
+        if len(vals) < 2 or max(vals) == min(vals):
+            continue
+        mean = sum(vals) / len(vals)
+        sd = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if normalize_std else 1.0
+        for g, v in zip(rows, vals):
+            out[g][t] = (v - mean) / (sd + (eps if normalize_std else 0.0))
+    return out
+
+
 def grpo_advantages(rewards_PG: Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
     """Group-relative advantages: A[p, g] = (r[p, g] - mean_g r[p]) / (std_g r[p] + eps).
 

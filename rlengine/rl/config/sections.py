@@ -123,9 +123,16 @@ class TrainSection:
     betas: tuple[float, float] = (0.9, 0.99)
     micro_batch: int = 0                 # sequences per micro-batch; 0 = whole batch
     max_grad_norm: float = 1.0
+    # An update whose policy gradient is exactly 0 (GRPO: every group all-pass or all-fail, so every
+    # advantage is 0) has nothing to learn; Adam would still move the weights on its momentum. true: no
+    # optimizer step then (weights and moments untouched). false (the default job): step anyway.
+    skip_zero_grad: bool = False
     clip_low: float = 0.2
     clip_high: float = 0.28
     agg: str = "token-mean"              # token-mean | seq-mean
+    # GRPO credit assignment: sequence (one advantage per response, on each of its tokens) | token (each
+    # token's own group-relative advantage from the task's per-token credit; tasks with Task.token_credit)
+    credit: str = "sequence"
     normalize_std: bool = True
     kl_coef: float = 0.0                 # k3 KL to a frozen reference; 0 = no reference model
     entropy_coef: float = 0.0
@@ -169,6 +176,9 @@ class TrainSection:
         _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _check(self.lr_rule in ("sqrt", "linear", "none"), f"train.lr_rule must be sqrt|linear|none, got {self.lr_rule!r}")
         _check(self.agg in ("token-mean", "seq-mean"), f"train.agg must be token-mean|seq-mean, got {self.agg!r}")
+        _check(self.credit in ("sequence", "token"), f"train.credit must be sequence|token, got {self.credit!r}")
+        _check(self.credit == "sequence" or self.algo == "grpo",
+               "train.credit = 'token' is a GRPO option (PPO's critic assigns credit per token already)")
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0, "train.clip_low must be in [0, 1) and clip_high >= 0")
         _check(self.micro_batch >= 0, f"train.micro_batch must be >= 0, got {self.micro_batch}")
         _check(0 < self.gamma <= 1 and 0 <= self.lam <= 1, "train.gamma must be in (0, 1] and train.lam in [0, 1]")

@@ -1,7 +1,8 @@
 """Reward functions: the registry, user plugins, and one call's outcome.
 
 A reward maps one response to a score. Built-ins (registered names): "exact" (the stripped
-completion equals the answer), "math" (math-verify parses both sides and checks mathematical
+completion equals the answer), "positions" (partial credit: the fraction of answer positions the
+completion gets right, for the long digit-string tasks), "math" (math-verify parses both sides and checks mathematical
 equivalence, so "0.5" matches "\\frac{1}{2}") and "format" (1.0 when the completion states a
 final answer in a recognised format, \\boxed{...} or a GSM8K "#### N" line). Plugins:
 task.reward = "package.module:function" imports the function (importlib, never eval), with the
@@ -157,6 +158,17 @@ def call_reward(fn: RewardFn, call: RewardCall, four: bool | None = None) -> Rew
 def exact_match(completion: str, answer: str, prompt: str = "", extra: dict | None = None) -> float:
     """1.0 when the completion (whitespace-stripped) equals the answer, else 0.0."""
     return float(completion.strip() == answer.strip())
+
+
+@register_reward("positions")
+def position_match(completion: str, answer: str, prompt: str = "", extra: dict | None = None) -> float:
+    """Partial credit: the number of positions where the (stripped) completion has the answer's
+    character, over the longer of the two lengths, in [0, 1]; 1.0 exactly when they are equal. A
+    completion too short or too long loses the positions it misses or adds."""
+    c, a = completion.strip(), answer.strip()
+    if not a and not c:
+        return 1.0
+    return sum(x == y for x, y in zip(c, a)) / max(len(c), len(a))
 
 
 @register_reward("math", requires=("math_verify", "math-verify"))

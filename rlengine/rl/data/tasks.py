@@ -6,6 +6,12 @@ and a reward function. Built-in tasks use the tiny built-in tokenizer's alphabet
   last-digit   "5830271694:" -> "4" with some digit of the prompt" (about 20% correct), RL
                                      has to find the right one
   addition     "12+34=" -> "46"  (multi-digit arithmetic; harder, for longer runs)
+  copy-digits  "58302716...:" -> "58302716..." long answers (24 digits + <eos> = 25 tokens by
+  reverse-digits                -> "...61720385"  default): the long-response job, where generation
+  shift-digits                  -> "69413827..."  dominates. Trained on per-position partial credit
+                                     ("positions"), evaluated by exact match (J); the warm start
+                                     answers with prompt digits drawn at random positions, so it
+                                     teaches "n prompt digits, then <eos>" but not which ones
 User data: JSONL with one {"prompt": str, "answer": str} object per line (GSM8K rows,
 {"question", "answer": "...#### N"}, map to prompt = question, answer = N: gsm8k_row; a row's
 other fields travel as Problem.extra to plugin rewards); a malformed row
@@ -45,6 +51,12 @@ class Task:
     answer_len: int = 1
     # Warm-start answer for a problem, independent of the task's rule (default: random alphabet string).
     format_answer: Callable[[Problem, random.Random], str] | None = None
+    # What J (evaluation) scores with when it is not the training reward: the long tasks train on
+    # partial credit but J stays the exact-match rate. None = reward_fn.
+    eval_reward_fn: RewardFn | None = None
+    # Per-token credit (train.credit = "token"): (the response's tokens as text, "" for <eos>; the
+    # answer) -> one credit in [0, 1] per token. None: the task has only a sequence reward.
+    token_credit: Callable[[list[str], str], list[float]] | None = None
 
     def warmstart_answer(self, problem: Problem, rng: random.Random) -> str:
         if self.format_answer is not None:
@@ -72,6 +84,21 @@ class Task:
 def _random_prompt_digit(problem: Problem, rng: random.Random) -> str:
     """A digit of the prompt at a uniformly random position: format + "copy some digit", not the rule."""
     return rng.choice([ch for ch in problem.prompt if ch.isdigit()])
+
+
+def _random_prompt_digits(problem: Problem, rng: random.Random) -> str:
+    """As many digits as the answer has, each one of the prompt's digits at a uniformly random position:
+    the long tasks' format (length, alphabet, <eos>) without their rule."""
+    digits = [ch for ch in problem.prompt if ch.isdigit()]
+    return "".join(rng.choice(digits) for _ in problem.answer)
+
+
+def position_credit(token_texts: list[str], answer: str) -> list[float]:
+    """Credit of each response token of a digit-string task: 1.0 where token t is answer[t], and for
+    the <eos> ("") right after the last answer character; 0.0 for every other token (a wrong digit,
+    an <eos> too early, anything past the answer)."""
+    n = len(answer)
+    return [float(t < n and text == answer[t] or t == n and text == "") for t, text in enumerate(token_texts)]
 
 
 class DatasetError(ConfigError):
@@ -117,6 +144,35 @@ def addition_task(num_train: int, num_eval: int, seed: int, digits: int = 2) -> 
             problems.append(Problem(f"{a}+{b}=", str(a + b)))
     train, held = _split(problems, num_eval, seed)
     return Task("addition", train, held, get_reward("exact"), answer_len=digits + 1)
+
+
+# Digit-string rules of the long tasks: prompt digits -> answer digits, position by position.
+DIGIT_RULES: dict[str, Callable[[str], str]] = {
+    "copy-digits": lambda s: s,
+    "reverse-digits": lambda s: s[::-1],
+    "shift-digits": lambda s: "".join(str((int(c) + 1) % 10) for c in s),
+}
+
+
+def digit_string_task(name: str, num_train: int, num_eval: int, seed: int, digits: int = 24) -> Task:
+    """`digits` random digits + ":" -> DIGIT_RULES[name] of them (digits answer tokens + <eos>).
+
+    Reward: "positions" (the fraction of answer positions right, over the longer of answer and
+    completion) for training; J: exact match."""
+    if name not in DIGIT_RULES:
+        raise ConfigError(f"unknown digit-string task {name!r}; known: {', '.join(DIGIT_RULES)}")
+    if digits < 1:
+        raise ConfigError(f"{name}: digits must be >= 1, got {digits}")
+    rng = random.Random(seed)
+    seen, problems = set(), []
+    while len(problems) < num_train + num_eval:
+        s = "".join(rng.choice("0123456789") for _ in range(digits))
+        if s not in seen:
+            seen.add(s)
+            problems.append(Problem(f"{s}:", DIGIT_RULES[name](s)))
+    train, held = _split(problems, num_eval, seed)
+    return Task(name, train, held, get_reward("positions"), answer_len=digits, format_answer=_random_prompt_digits,
+                eval_reward_fn=get_reward("exact"), token_credit=position_credit)
 
 
 def gsm8k_row(row: dict) -> dict:
@@ -184,7 +240,7 @@ def read_jsonl(path: str | Path) -> list[Problem]:
     return problems
 
 
-TASK_NAMES = ("first-digit", "last-digit", "addition", "jsonl")  # what build_task accepts as task.name
+TASK_NAMES = ("first-digit", "last-digit", "addition", *DIGIT_RULES, "jsonl")  # what build_task accepts as task.name
 
 
 def build_task(name: str, *, path: str = "", eval_path: str = "", reward: str = "", num_train: int = 2000,
@@ -195,6 +251,8 @@ def build_task(name: str, *, path: str = "", eval_path: str = "", reward: str = 
         task = last_digit_task(num_train, num_eval, seed)
     elif name == "addition":
         task = addition_task(num_train, num_eval, seed)
+    elif name in DIGIT_RULES:
+        task = digit_string_task(name, num_train, num_eval, seed)
     elif name == "jsonl":
         if not path:
             raise DatasetError("task.name = 'jsonl' needs task.path")
@@ -209,3 +267,11 @@ def build_task(name: str, *, path: str = "", eval_path: str = "", reward: str = 
     if reward:
         task.reward_fn = resolve_reward(reward)
     return task
+
+
+def assign_token_credits(groups, task: Task, tok) -> None:
+    """train.credit = "token": each response token's credit from the task (Task.token_credit), set on
+    the groups (RolloutGroup.token_credits) for the per-token GRPO advantages."""
+    for g in groups:
+        answer = task.train[g.problem_index].answer
+        g.token_credits = [task.token_credit([tok.decode([i]) for i in c], answer) for c in g.completions]

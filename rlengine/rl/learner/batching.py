@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlengine.rl.algo.advantages import grpo_advantages
+from rlengine.rl.algo.advantages import grpo_advantages, grpo_token_advantages
 from rlengine.rl.types import RolloutGroup
 
 
@@ -72,7 +72,7 @@ class TrainBatch:
 
 def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
          seq_advantages: list[float], rewards: list[float], routing: list | None = None,
-         loss_weights: list[float] | None = None) -> TrainBatch:
+         loss_weights: list[float] | None = None, token_advantages: list[list[float]] | None = None) -> TrainBatch:
     """Pack B responses. loss_weights [B] (default all 1) scale each response's loss mask: 0 leaves it
     in the batch with no gradient (train.overlong = "mask"). Raises ValueError for an empty
     completion or mismatched log-probs."""
@@ -88,7 +88,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[
         pad = len(p) - 1
         mask.extend([0.0] * pad + [weights[b]] * len(c))
         old.extend([0.0] * pad + list(lp))
-        adv.extend([0.0] * pad + [a] * len(c))
+        adv.extend([0.0] * pad + (list(token_advantages[b]) if token_advantages else [a] * len(c)))
         sid.extend([b] * n_in)
         cu.append(cu[-1] + n_in)
     route = None
@@ -101,12 +101,16 @@ def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[
                       seq_ids=torch.tensor(sid, dtype=i64), cu_seqlens=cu, routing_ids=route)
 
 
-def grpo_batch(groups: list[RolloutGroup], *, normalize_std: bool) -> TrainBatch:
-    """GRPO: group-relative advantages, one per response, broadcast over its tokens."""
+def grpo_batch(groups: list[RolloutGroup], *, normalize_std: bool, token_credit: bool = False) -> TrainBatch:
+    """GRPO: group-relative advantages, one per response, broadcast over its tokens; with
+    token_credit, one per token from the groups' token_credits (grpo_token_advantages)."""
     if not groups:  # this rank's share of the update can be empty
         return _flatten(groups, torch.zeros(0, 0))
     rewards_PG = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    return _flatten(groups, grpo_advantages(rewards_PG, normalize_std=normalize_std))
+    token_adv = None
+    if token_credit:
+        token_adv = [a for g in groups for a in grpo_token_advantages(g.token_credits, normalize_std=normalize_std)]
+    return _flatten(groups, grpo_advantages(rewards_PG, normalize_std=normalize_std), token_adv)
 
 
 def ppo_batch(groups: list[RolloutGroup]) -> TrainBatch:
@@ -114,7 +118,7 @@ def ppo_batch(groups: list[RolloutGroup]) -> TrainBatch:
     return _flatten(groups, torch.zeros(len(groups), len(groups[0].completions) if groups else 0))
 
 
-def _flatten(groups: list[RolloutGroup], adv_PG: torch.Tensor) -> TrainBatch:
+def _flatten(groups: list[RolloutGroup], adv_PG: torch.Tensor, token_adv: list[list[float]] | None = None) -> TrainBatch:
     """Pack the responses of `groups` in group order, response i of group p with advantage adv_PG[p, i]."""
     prompts, comps, lps, advs, rews, routing, weights = [], [], [], [], [], [], []
     for g, adv_G in zip(groups, adv_PG.tolist()):
@@ -127,4 +131,4 @@ def _flatten(groups: list[RolloutGroup], adv_PG: torch.Tensor) -> TrainBatch:
             weights.append(g.loss_weights[i] if g.loss_weights else 1.0)
             if g.routing_ids:
                 routing.append(g.routing_ids[i])
-    return pack(prompts, comps, lps, advs, rews, routing if len(routing) == len(comps) else None, weights)
+    return pack(prompts, comps, lps, advs, rews, routing if len(routing) == len(comps) else None, weights, token_adv)

@@ -332,7 +332,9 @@ class Learner:
             if self.critic_optim is not None:
                 self.critic_optim.zero_grad()
             return metrics
-        if not critic_only:
+        # train.skip_zero_grad: a zero policy gradient carries no signal, so no step (Adam's momentum
+        # alone would keep moving the weights: the drift of a run whose groups all score alike)
+        if not critic_only and not (self.cfg.skip_zero_grad and float(actor_norm) == 0.0):
             self.optim.step()
         if self.critic_optim is not None:
             self.critic_optim.step()

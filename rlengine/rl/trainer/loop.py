@@ -17,6 +17,7 @@ from pathlib import Path
 from rlengine.rl.algo.overlong import shape_overlong
 from rlengine.rl.algo.schedule import lr_factor
 from rlengine.rl.config import TrainConfig
+from rlengine.rl.data.tasks import assign_token_credits
 from rlengine.rl.data.warmstart import format_warmstart
 from rlengine.rl.distributed import Dist, init_from_env
 from rlengine.rl.learner.batching import grpo_batch, ppo_batch
@@ -32,6 +33,16 @@ from rlengine.rl.trainer.signals import StopOnSignal
 from rlengine.telemetry.nvml import NvmlSampler
 from rlengine.telemetry.profiler import ProfileWindow, step_profiler
 from rlengine.telemetry.timers import PhaseTimer
+
+
+def train_batch(groups, t, task, tok):
+    """The update's TrainBatch: GRPO's group-relative advantages (per response, or per token with
+    train.credit = "token"), or PPO's (every response of every group; the critic scores each)."""
+    if t.algo != "grpo":
+        return ppo_batch(groups)
+    if t.credit == "token":  # each token judged by its own correctness
+        assign_token_credits(groups, task, tok)
+    return grpo_batch(groups, normalize_std=t.normalize_std, token_credit=t.credit == "token")
 
 
 def eval_fields(metrics: dict) -> dict:
@@ -109,9 +120,7 @@ class Trainer:
                                            buffer=t.overlong_buffer)
         self.learner.set_lr_factor(lr_factor(self.update, schedule=t.lr_schedule, warmup=t.warmup_updates,
                                              total=t.updates, min_ratio=t.min_lr_ratio))
-        # PPO: every response of every group enters the update; the critic scores each
-        batch = (grpo_batch(groups, normalize_std=t.normalize_std) if t.algo == "grpo" else ppo_batch(groups))
-        batch = batch.to(self.model.device)
+        batch = train_batch(groups, t, self.task, self.tok).to(self.model.device)
         critic_only = t.algo == "ppo" and self.update < t.critic_warmup
         with self.timer.phase("train"):
             m = self.learner.step(batch, critic_only=critic_only, phases=self.telemetry)
@@ -150,7 +159,7 @@ class Trainer:
             if self._saved != self.update:  # the last update is saved once; a finished run, not again
                 self.checkpoint()
         finally:  # a reward pool's workers never outlive the run, whatever ended it
-            self.rewards.close()
+            self.parts.close()
             self.outputs.close()
         return self.history
 

@@ -46,8 +46,15 @@ class JobParts:
     memory_plan: object | None            # analysis.memory_plan.MemoryPlan on CUDA, else None
     sampler: PrioritySampler
     rewards: object                       # reward_pool.InlineRunner or RewardPool: close() it
+    eval_rewards: object                  # J's runner: `rewards`, or the task's eval_reward_fn's own
     collector: RolloutCollector
     evaluator: Evaluator
+
+    def close(self) -> None:
+        """End the reward runners (a pool's worker processes never outlive the run)."""
+        self.rewards.close()
+        if self.eval_rewards is not self.rewards:
+            self.eval_rewards.close()
 
 
 def build_model_and_tokenizer(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCausalLM, Tokenizer]:
@@ -105,6 +112,9 @@ def build_parts(cfg: TrainConfig, dist: Dist) -> JobParts:
     model, tok = build_model_and_tokenizer(cfg, dist)
     task = build_task(cfg.task.name, path=cfg.task.path, eval_path=cfg.task.eval_path, reward=cfg.task.reward,
                       num_train=cfg.task.num_train, num_eval=cfg.task.num_eval, seed=cfg.task.seed)
+    if t.credit == "token" and task.token_credit is None:
+        raise ConfigError(f"train.credit = 'token' needs a task with per-token credit (copy-digits, "
+                          f"reverse-digits, shift-digits); task {task.name!r} has only a sequence reward")
     encode = PromptEncoder(tok, chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt)
     eval_sets = build_eval_sets(task, cfg.eval)
     llm, eval_llm, memory_plan = build_engines(cfg, model, task, encode, eval_sets, dist)
@@ -118,14 +128,18 @@ def build_parts(cfg: TrainConfig, dist: Dist) -> JobParts:
     # where rewards run; a pool spawns its workers now, so they import while the rest is built
     rewards = make_runner(task.reward_fn, cfg.task.reward, workers=cfg.task.reward_workers,
                           timeout=cfg.task.reward_timeout)
+    # J's own reward when the task trains on another one (the long tasks: partial credit, J exact match)
+    eval_rewards = rewards if task.eval_reward_fn is None else make_runner(
+        task.eval_reward_fn, "", workers=cfg.task.reward_workers, timeout=cfg.task.reward_timeout)
     collector = RolloutCollector(llm, tok, task, group_size=t.group_size, b_train=t.b_train, b_gen=g.b_gen,
                                  params=params, sampler=sampler, dynamic_sampling=t.dynamic_sampling and t.algo == "grpo",
                                  max_lag=g.max_lag, max_reward_error_frac=cfg.task.max_reward_error_frac, dist=dist,
                                  seed=cfg.run.seed, runner=rewards, encode_prompt=encode)
-    evaluator = Evaluator(eval_llm, encode, rewards, tok, eval_sets, cfg.eval, max_tokens=g.max_tokens,
+    evaluator = Evaluator(eval_llm, encode, eval_rewards, tok, eval_sets, cfg.eval, max_tokens=g.max_tokens,
                           seed=cfg.run.seed, max_error_frac=cfg.task.max_reward_error_frac, dist=dist)
     return JobParts(model=model, tok=tok, task=task, encode=encode, eval_sets=eval_sets, llm=llm, eval_llm=eval_llm,
-                    memory_plan=memory_plan, sampler=sampler, rewards=rewards, collector=collector,
+                    memory_plan=memory_plan, sampler=sampler, rewards=rewards, eval_rewards=eval_rewards,
+                    collector=collector,
                     evaluator=evaluator)
 
 
