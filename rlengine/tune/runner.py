@@ -3,8 +3,8 @@
 The job config is a dict (TrainConfig.to_dict()); a plan's overrides replace single keys and the
 result is validated like any `rlengine train` config. With a target J*, the run ends at the first
 evaluation reaching it (N* and T are then known; the rest of the budget would not change them).
-That stop is a Trainer subclass whose metric logger raises after writing the record, because the
-Trainer has no stop hook (the report names the hook it would need). A finished run writes
+That stop is the Trainer's own hook, Trainer.run(stop_when=...), checked after each logged update.
+A finished run writes
 tune_run.json last, so an interrupted tune leaves either a finished run or a directory to redo:
 with resume=True finished runs whose config matches are read back instead of rerun.
 """
