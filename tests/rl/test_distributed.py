@@ -35,6 +35,15 @@ def _train(nproc: int, out: Path, *extra: str, timeout=300) -> subprocess.Comple
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def _two_rank_script(name: str, out: Path) -> dict:
+    """Run tests/support/NAME.py on 2 gloo ranks under torchrun; returns the JSON it wrote to `out`."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                        f"tests/support/{name}.py", str(out)], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -53,12 +62,7 @@ def test_gradients_and_updates_equal_one_process(tmp_path):
     pre-clip gradients equal the 1-rank full batch's: the first step's in fp32 (1e-5, the rounding of a
     reordered fp32 sum over a few hundred terms), and both steps' and the parameters after two updates
     in float64 (1e-10)."""
-    out = tmp_path / "grad_equivalence.json"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                        "tests/support/grad_equivalence.py", str(out)], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = _two_rank_script("grad_equivalence", tmp_path / "grad_equivalence.json")
     cases = {name: errs for name, errs in res.items() if isinstance(errs, dict)}
     assert len(cases) == 12 and all("params" in e for n, e in cases.items() if n.endswith("float64"))
     for name, errs in cases.items():
@@ -212,12 +216,7 @@ def test_gradient_reductions_are_fp32_and_ddp_reduces_once_per_update(tmp_path):
     all-reduces the gradients once (1.00 x the parameters: the forwards run inside no_sync too), and
     FSDP with bf16 parameters reduce-scatters them in fp32 only. Counted reductions of float64 are the
     learner's metric sums (Dist.all_sum), not gradients."""
-    out = tmp_path / "census.json"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                        "tests/support/reduction_census.py", str(out)], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = _two_rank_script("reduction_census", tmp_path / "census.json")
     grads = {k: [(op, dt, n) for op, dt, n in res[k] if dt != "float64"] for k in ("ddp", "fsdp")}
     assert sum(n for _, _, n in grads["ddp"]) == res["params"], grads["ddp"]
     assert {dt for _, dt, _ in grads["ddp"]} == {"float32"}
