@@ -37,9 +37,14 @@ def _train(nproc: int, out: Path, *extra: str, timeout=300) -> subprocess.Comple
 
 def _two_rank_script(name: str, out: Path) -> dict:
     """Run tests/support/NAME.py on 2 gloo ranks under torchrun; returns the JSON it wrote to `out`."""
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                        f"tests/support/{name}.py", str(out)], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=300)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           f"tests/support/{name}.py", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and "terminate called without an active exception" in r.stderr:
+        # seen once in a full-suite run on a loaded 2-core machine: a gloo rank aborted inside C++
+        # (std::terminate) with no Python error; the same script passed alone 4 of 4 times. One
+        # rerun separates that crash from a real mismatch, which fails both times.
+        r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(out.read_text())
 
