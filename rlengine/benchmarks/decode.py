@@ -50,7 +50,8 @@ from rlengine.benchmarks.lengths import add_length_args, sample_lengths
 from rlengine.benchmarks.report import format_table, write_result
 from rlengine.config import ConfigError
 from rlengine.engine.kv_cache import bytes_per_block
-from rlengine.engine.llm import DTYPES, LLM
+from rlengine.config import DTYPES
+from rlengine.engine.llm import LLM
 from rlengine.engine.sampling_params import SamplingParams
 from rlengine.preflight import check_model
 from rlengine.telemetry.nvml import NvmlSampler

@@ -44,20 +44,18 @@ says why they are off.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from rlengine.config import DTYPES
 from rlengine.engine.attention import resolve_backend
 from rlengine.engine.block_manager import BlockManager, BlockPool
 from rlengine.engine.cuda_graph import CudaGraph, DecodeGraphs, unsupported_reason
 from rlengine.engine.detokenizer import Detokenizer
 from rlengine.engine.kv_cache import KVCache, KVPool, bytes_per_block
+from rlengine.engine.llm_args import _as_dtype, _build_model, _check_vllm_args, _progress_bar, _tokenizer
 from rlengine.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
 from rlengine.engine.outputs import GenerateResult, Logprob, RequestOutput, RequestState
 from rlengine.engine.prompts import Prompt, chat_prompts, parse_prompt, prompt_list
@@ -66,7 +64,6 @@ from rlengine.engine.sampling_params import SamplingParams, sample_seed
 from rlengine.engine.scheduler import ScheduledBatch, Scheduler
 from rlengine.engine.sequence import Sequence, SequenceStatus
 from rlengine.engine.step_inputs import StepInputs
-from rlengine.model.factory import build_model, has_tokenizer_files, tokenizer_for
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.telemetry.nvtx import PhaseRanges
@@ -84,56 +81,6 @@ class _Launched:
     version: int          # weight version the step samples with
     num_tokens: int       # StepRecord.tokens
     started: float        # perf_counter() when the step() that launched it began
-
-
-def _as_dtype(dtype, model) -> torch.dtype | None:
-    """The weights' dtype; "auto" (vLLM's default) is a checkpoint's config.json torch_dtype (float32 when it
-    names none, and for presets), a live module's own dtype."""
-    if dtype == "auto":
-        if isinstance(model, Qwen3ForCausalLM):
-            return model.dtype
-        cfg = Path(str(model)) / "config.json"
-        raw = json.loads(cfg.read_text()) if cfg.is_file() else {}
-        name = raw.get("torch_dtype") or raw.get("dtype") or "float32"  # newer transformers write "dtype"
-        if name not in DTYPES:
-            raise ValueError(f"dtype='auto': {cfg} names torch_dtype {name!r}, rlengine runs {', '.join(DTYPES)}")
-        return DTYPES[name]
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
-def _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization) -> None:
-    """vLLM arguments: the values rlengine can honour, or one error that says why not."""
-    if tensor_parallel_size != 1:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: rlengine runs the model on one device "
-                         "(the learner trains the same weights in place); only 1 is supported")
-    if trust_remote_code:
-        raise ValueError("trust_remote_code=True: rlengine runs its own Qwen3 / Qwen3-MoE code and never executes "
-                         "code shipped with a checkpoint; only False is supported")
-    if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-
-
-def _build_model(model, dtype, device, moe_impl) -> Qwen3ForCausalLM:
-    if isinstance(model, Qwen3ForCausalLM):
-        return model  # shared weights: never copied, never moved
-    return build_model(str(model), dtype=dtype or torch.float32, device=device, moe_impl=moe_impl)
-
-
-def _tokenizer(model, tokenizer) -> tuple[Tokenizer | None, bool]:
-    """(the engine's tokenizer, whether its EOS ids count): a given one (Tokenizer, or a checkpoint directory),
-    else a checkpoint's own, the built-in one for a preset (whose config already names its EOS), None for a
-    bare module."""
-    if isinstance(tokenizer, (str, Path)):
-        return tokenizer_for(str(tokenizer)), True
-    if tokenizer is not None:
-        return tokenizer, True
-    if isinstance(model, Qwen3ForCausalLM):
-        return None, False
-    return tokenizer_for(str(model)), has_tokenizer_files(str(model))
 
 
 class LLM:
@@ -545,14 +492,3 @@ class LLM:
         stats = {"preemptions": self.scheduler.num_preemptions - preempt_start,
                  "recomputed_tokens": self.scheduler.num_recomputed_tokens - recompute_start}
         return GenerateResult([finished[i] for i in ids], self.trace[trace_start:], stats)
-
-
-def _progress_bar(use_tqdm, total: int):
-    """vLLM's generate progress bar: use_tqdm True (tqdm.auto.tqdm) or a tqdm-like callable; None when off."""
-    if not use_tqdm:
-        return None
-    if callable(use_tqdm):
-        make = use_tqdm
-    else:
-        from tqdm.auto import tqdm as make
-    return make(total=total, desc="Processed prompts", dynamic_ncols=True)

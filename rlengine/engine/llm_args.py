@@ -1,0 +1,77 @@
+"""LLM's construction arguments resolved: the model (a checkpoint, a preset or a live module), its dtype
+("auto" as vLLM spells it), its tokenizer, the vLLM arguments rlengine can honour, and generate's
+progress bar. llm.py keeps the engine itself (requests, steps, outputs).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from rlengine.config import DTYPES
+from rlengine.model.factory import build_model, has_tokenizer_files, tokenizer_for
+from rlengine.model.qwen3 import Qwen3ForCausalLM
+from rlengine.model.tokenizer import Tokenizer
+
+
+def _as_dtype(dtype, model) -> torch.dtype | None:
+    """The weights' dtype; "auto" (vLLM's default) is a checkpoint's config.json torch_dtype (float32 when it
+    names none, and for presets), a live module's own dtype."""
+    if dtype == "auto":
+        if isinstance(model, Qwen3ForCausalLM):
+            return model.dtype
+        cfg = Path(str(model)) / "config.json"
+        raw = json.loads(cfg.read_text()) if cfg.is_file() else {}
+        name = raw.get("torch_dtype") or raw.get("dtype") or "float32"  # newer transformers write "dtype"
+        if name not in DTYPES:
+            raise ValueError(f"dtype='auto': {cfg} names torch_dtype {name!r}, rlengine runs {', '.join(DTYPES)}")
+        return DTYPES[name]
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization) -> None:
+    """vLLM arguments: the values rlengine can honour, or one error that says why not."""
+    if tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: rlengine runs the model on one device "
+                         "(the learner trains the same weights in place); only 1 is supported")
+    if trust_remote_code:
+        raise ValueError("trust_remote_code=True: rlengine runs its own Qwen3 / Qwen3-MoE code and never executes "
+                         "code shipped with a checkpoint; only False is supported")
+    if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+
+
+def _build_model(model, dtype, device, moe_impl) -> Qwen3ForCausalLM:
+    if isinstance(model, Qwen3ForCausalLM):
+        return model  # shared weights: never copied, never moved
+    return build_model(str(model), dtype=dtype or torch.float32, device=device, moe_impl=moe_impl)
+
+
+def _tokenizer(model, tokenizer) -> tuple[Tokenizer | None, bool]:
+    """(the engine's tokenizer, whether its EOS ids count): a given one (Tokenizer, or a checkpoint directory),
+    else a checkpoint's own, the built-in one for a preset (whose config already names its EOS), None for a
+    bare module."""
+    if isinstance(tokenizer, (str, Path)):
+        return tokenizer_for(str(tokenizer)), True
+    if tokenizer is not None:
+        return tokenizer, True
+    if isinstance(model, Qwen3ForCausalLM):
+        return None, False
+    return tokenizer_for(str(model)), has_tokenizer_files(str(model))
+
+
+def _progress_bar(use_tqdm, total: int):
+    """vLLM's generate progress bar: use_tqdm True (tqdm.auto.tqdm) or a tqdm-like callable; None when off."""
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        make = use_tqdm
+    else:
+        from tqdm.auto import tqdm as make
+    return make(total=total, desc="Processed prompts", dynamic_ncols=True)
