@@ -414,19 +414,26 @@ class FusedMoEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_TC):
         x_TC, w13_EFC, w2_ECF, topk_weights_TK, gu = ctx.saved_tensors
-        cfg, align = ctx.cfg, ctx.align
-        T, C = x_TC.shape
-        E, K = w13_EFC.shape[0], topk_weights_TK.shape[1]
-        dy_TC = dy_TC.contiguous()
-        dgu, hw, dtw_TK = down_backward(dy_TC, w2_ECF, gu, topk_weights_TK, align, cfg)
-        dx = dw13 = dw2 = None
-        if ctx.needs_input_grad[0]:
-            dx = pair_gemm(dgu, w13_EFC, align, cfg, reduce_dim=1).view(T, K, C).sum(1)
-        if ctx.needs_input_grad[1]:
-            dw13 = weight_grad(dgu, x_TC, align, cfg, a_by_token=False, b_by_token=True, num_experts=E, topk=K)
-        if ctx.needs_input_grad[2]:
-            dw2 = weight_grad(dy_TC, hw, align, cfg, a_by_token=True, b_by_token=False, num_experts=E, topk=K)
-        return dx, dw13, dw2, dtw_TK.to(topk_weights_TK.dtype), None
+        grads = _backward(dy_TC.contiguous(), x_TC, w13_EFC, w2_ECF, topk_weights_TK, gu, ctx.cfg, ctx.align,
+                          need=ctx.needs_input_grad[:3])
+        return *grads, None
+
+
+def _backward(dy_TC, x_TC, w13_EFC, w2_ECF, topk_weights_TK, gu_NF2, cfg: MoEConfig, align: MoEAlignment, *,
+              need=(True, True, True)):
+    """The four backward launches: (dx [T, C] | None, dW13 | None, dW2 | None, d topk_weights [T, K])
+    for `need` = which of x, w13, w2 want a gradient."""
+    T, C = x_TC.shape
+    E, K = w13_EFC.shape[0], topk_weights_TK.shape[1]
+    dgu, hw, dtw_TK = down_backward(dy_TC, w2_ECF, gu_NF2, topk_weights_TK, align, cfg)
+    dx = dw13 = dw2 = None
+    if need[0]:
+        dx = pair_gemm(dgu, w13_EFC, align, cfg, reduce_dim=1).view(T, K, C).sum(1)
+    if need[1]:
+        dw13 = weight_grad(dgu, x_TC, align, cfg, a_by_token=False, b_by_token=True, num_experts=E, topk=K)
+    if need[2]:
+        dw2 = weight_grad(dy_TC, hw, align, cfg, a_by_token=True, b_by_token=False, num_experts=E, topk=K)
+    return dx, dw13, dw2, dtw_TK.to(topk_weights_TK.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

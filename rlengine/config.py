@@ -308,6 +308,14 @@ PRESETS = {
                                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                                          head_dim=128, max_position_embeddings=40960, num_experts=128,
                                          num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    "llama-3-8b": lambda: ModelConfig(model_type="llama", vocab_size=128256, hidden_size=4096,
+                                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                      num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                                      rope_theta=500_000.0, tie_word_embeddings=False,
+                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 8192},
+                                      bos_token_id=128000, eos_token_id=128001),
 }
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile-check the CUDA extension's sources (setup.py's rlengine._C_cuda) against the installed torch's
 # headers, on machines without a GPU or a CUDA build of torch (setup.py builds them only when torch has
-# CUDA): every csrc/cuda/*.cu with nvcc for sm_90, every csrc/cuda/*.cpp (the module file) with the host
+# CUDA): every csrc/cuda/*.cu with nvcc for sm_90a (H100/H200), every csrc/cuda/*.cpp (the module file) with the host
 # compiler. Object files go to a temporary folder and are thrown away; exit status 1 if any source fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ inc="$inc -I$tmp/inc"
 status=0
 for src in csrc/cuda/*.cu; do
   if nvcc -c "$src" -o "$tmp/$(basename "$src").o" $inc -std=c++17 -O2 -Xcompiler -fPIC \
-      -D_GLIBCXX_USE_CXX11_ABI="$abi" --expt-relaxed-constexpr -arch=sm_90 -w; then
+      -D_GLIBCXX_USE_CXX11_ABI="$abi" --expt-relaxed-constexpr -arch=sm_90a -w; then
     echo "ok   $src"
   else
     echo "FAIL $src"; status=1
