@@ -6,7 +6,8 @@ Each rule returns a list of problems (empty = pass), one line each, naming the c
   hot_spills        a variant of the hot set (cases.HOT: decode, norms, MoE forward, log-prob
                     forward) spills at all; the hot set takes no exemptions
   unexempted_spills a spilling variant outside the hot set has no entry in exemptions.json, or
-                    spills more than 1.25x the bytes its entry recorded
+                    spills more than 1.25x the bytes its entry recorded (an entry's dtype "*"
+                    matches any: moe_align's variants depend on the id count, not a float dtype)
   missing_kernels   a launched @triton.jit kernel of kernels/*.py compiled in no case
   missing_dtypes    a kernel lacks one of the dtypes the tier promises for it
 """
@@ -55,7 +56,7 @@ def hot_spills(report: dict) -> list[str]:
 
 
 def _matches(entry: dict, case: dict, variant: dict) -> bool:
-    return (entry["kernel"] == variant["kernel"] and entry["dtype"] == case["dtype"]
+    return (entry["kernel"] == variant["kernel"] and entry["dtype"] in (case["dtype"], "*")
             and all(variant["constants"].get(k) == v for k, v in entry.get("match", {}).items()))
 
 

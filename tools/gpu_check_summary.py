@@ -1,0 +1,223 @@
+"""The end of tools/gpu_check.sh: judge a step's results, pack them, print the per-goal summary last.
+
+    python3 tools/gpu_check_summary.py finish STEP WORK OUT COMMIT STATUS
+        reads WORK (junit XMLs, bench JSONs, logs, part_*.json), stamps COMMIT into every JSON, writes
+        OUT/gpu_check_STEP.json (conditions, per-part exit status and seconds, summary lines, goals)
+        and OUT/gpu_check_STEP.tar.gz (all of WORK), then prints the summary: its last lines.
+    python3 tools/gpu_check_summary.py part STEP WORK NAME RC SECONDS LIMIT
+        writes one part's exit status to WORK/part_NAME.json.
+    python3 tools/gpu_check_summary.py standin STEP WORK [build-fails]
+        writes stand-in results (GPU_CHECK_DRY=1): the packing and the summary run on a CPU.
+
+A device call returns at most 8 files, no deeper than 2 folders, and the last 12,000 characters of
+output: each step leaves exactly two files in OUT, and the summary is the last thing printed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ET
+
+TEST_SHARDS = ("paged_decode", "kernels", "engine", "others")
+BENCH_PARTS = ("ceilings", "decode", "paged_decode", "bench_moe", "bench_logprob")
+
+
+def _smi(query: str) -> str | None:
+    try:
+        r = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+
+
+def _conditions(commit: str) -> dict:
+    try:
+        import torch
+        import triton
+        versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__}
+    except ImportError as exc:
+        versions = {"error": str(exc)}
+    return {"commit": commit, "gpu": _smi("name"), "driver": _smi("driver_version"), "dry": bool(
+        os.environ.get("GPU_CHECK_DRY", "0") not in ("", "0")), **versions}
+
+
+def _load(work: str, name: str):
+    path = os.path.join(work, name)
+    return json.load(open(path)) if os.path.exists(path) else None
+
+
+def _test_lines(work: str, goals: dict) -> list[str]:
+    lines = []
+    for shard in TEST_SHARDS:
+        path = os.path.join(work, f"junit_{shard}.xml")
+        if not os.path.exists(path):
+            lines.append(f"tests[{shard}]: NO RESULT (not run, timed out or crashed before writing its junit XML)")
+            continue
+        root = ET.parse(path).getroot()
+        suite = root if root.tag == "testsuite" else root.find("testsuite")
+        counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        bad = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+               if c.find("failure") is not None or c.find("error") is not None]
+        goals[shard] = {**counts, "failed": bad}
+        passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+        line = f"tests[{shard}]: {passed} passed, {counts['failures'] + counts['errors']} failed, " \
+               f"{counts['skipped']} skipped"
+        lines.append(line + (f"; failed: {', '.join(bad[:8])}" if bad else ""))
+    return lines
+
+
+def _bench_lines(work: str, goals: dict) -> list[str]:
+    lines = []
+    dec = _load(work, "decode.json")
+    if dec:
+        by_b = {r["b_act"]: r for r in dec["rows"]}
+        if 1 in by_b:
+            ms = by_b[1]["ms_per_step"]
+            goals["decode_ms_B1"] = ms
+            lines.append(f"decode Qwen3-0.6B bf16 B_act=1: {ms:.3f} ms/step (goal < 1.0) {'OK' if ms < 1.0 else 'MISS'}")
+        if 64 in by_b and by_b[64].get("roofline_fraction") is not None:
+            f = by_b[64]["roofline_fraction"]
+            goals["decode_roofline_B64"] = f
+            lines.append(f"decode B_act=64: {f:.2f} of the Eq. 5 bound (goal >= 0.70) {'OK' if f >= 0.70 else 'MISS'}")
+        joules = {b: r.get("decode_j_per_token") for b, r in by_b.items() if r.get("decode_j_per_token")}
+        goals["nvml_decode_j_per_token"] = joules
+        lines.append("NVML decode energy: " + (", ".join(f"B_act={b}: {j:.4f} J/token" for b, j in joules.items())
+                                               if joules else "none recorded (NVML unavailable? see decode.log)"))
+    pdj = _load(work, "paged_decode.json")
+    if pdj and pdj["rows"]:
+        longest = max(r["ctx"] for r in pdj["rows"])
+        rs = [r for r in pdj["rows"] if r["provider"] == "triton" and r["ctx"] == longest and r.get("GB/s")]
+        for r in rs:
+            frac = r.get("frac_of_copy_bw")
+            lines.append(f"paged decode ctx={longest} B={r['B_act']} S={r['S']}: {r['GB/s']:.0f} GB/s = "
+                         f"{frac if frac is not None else float('nan'):.2f} of copy bandwidth (goal >= 0.85)")
+        fracs = [r["frac_of_copy_bw"] for r in rs if r.get("frac_of_copy_bw") is not None]
+        if fracs:
+            goals["paged_decode_min_frac"] = min(fracs)
+            lines.append(f"paged decode long-context worst fraction {min(fracs):.2f} "
+                         f"{'OK' if min(fracs) >= 0.85 else 'MISS'}")
+    moe = _load(work, "bench_moe.json")
+    if moe:
+        rs = [r for r in moe["rows"] if r["provider"] == "triton" and r.get("mode") == "fwd+bwd" and r.get("tflops")]
+        if rs:
+            r = max(rs, key=lambda r: r["T"])
+            ratio = r.get("vs_grouped_mm")
+            goals["moe_vs_grouped_mm"] = ratio
+            lines.append(f"fused MoE fwd+bwd T={r['T']}: {r['tflops']:.0f} TFLOP/s, "
+                         + (f"{ratio:.2f}x torch._grouped_mm (goal >= 1.2) {'OK' if ratio >= 1.2 else 'MISS'}"
+                            if ratio else "no torch._grouped_mm baseline (see its skipped row)"))
+    lp = _load(work, "bench_logprob.json")
+    if lp:
+        for r in [r for r in lp["rows"] if r["provider"] == "fused" and r["mode"] == "fwd+bwd" and r["entropy"]]:
+            ratio = r.get("mem_ratio")
+            goals["logprob_mem_ratio"] = ratio
+            lines.append(f"fused log-prob fwd+bwd T={r['T']} V={r['V']}: {r['ms']:.1f} ms, peak "
+                         f"{r['peak_extra_mb']:.0f} MiB, {ratio:.1f}x less than materialised logits (goal >= 8) "
+                         f"{'OK' if ratio >= 8 else 'MISS'}" if ratio else f"fused log-prob: no memory ratio ({r})")
+    missing = [n for n in BENCH_PARTS if not _load(work, n + ".json")]
+    if missing:
+        lines.append(f"no result from: {', '.join(missing)} (not run, timed out or failed: see its log)")
+    return lines
+
+
+def _stamp(work: str, commit: str) -> None:
+    """The tree on the GPU machine may have no .git: stamp the commit into every result JSON."""
+    for path in glob.glob(os.path.join(work, "*.json")):
+        try:
+            data = json.load(open(path))
+        except ValueError:
+            continue
+        cond = data.get("conditions") if isinstance(data, dict) else None
+        if isinstance(cond, dict) and not cond.get("commit"):
+            cond.update(commit=commit, commit_source="tools/gpu_check.sh")
+            json.dump(data, open(path, "w"), indent=2)
+
+
+def finish(step: str, work: str, out: str, commit: str, status: int) -> int:
+    parts = _parts(work)
+    goals: dict = {}
+    lines = [f"part {p['name']}: exit {p['rc']}{' (timed out)' if p['rc'] in (124, 137) else ''}, "
+             f"{p['seconds']} s of {p['limit']} s" for p in parts]
+    if any(p["name"] == "build" and p["rc"] != 0 for p in parts):
+        lines.append("BUILD FAILED: the step stopped before its tests and benchmarks (build.log in the archive)")
+    lines += _test_lines(work, goals) if step == "test" else _bench_lines(work, goals)
+    if step == "test" and any(g["failed"] for g in goals.values()) or any(p["rc"] for p in parts):
+        status = status or 1  # a failed test, or a part that failed or timed out, fails the step
+    _stamp(work, commit)
+    os.makedirs(out, exist_ok=True)
+    archive = os.path.join(out, f"gpu_check_{step}.tar.gz")
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(work, arcname=f"gpu_check_{step}")
+    summary = {"step": step, "exit_status": status, "conditions": _conditions(commit), "parts": parts,
+               "summary": lines, "goals": goals, "archive": os.path.basename(archive)}
+    with open(os.path.join(out, f"gpu_check_{step}.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"[gpu_check {step}] results: {archive} and gpu_check_{step}.json; exit status {status}")
+    print("\n".join(f"SUMMARY {line}" for line in lines), flush=True)
+    return status
+
+
+def record_part(work: str, name: str, rc: int, seconds: int, limit: int) -> None:
+    """One file per part: the test shards finish concurrently."""
+    json.dump({"name": name, "rc": rc, "seconds": seconds, "limit": limit},
+              open(os.path.join(work, f"part_{name}.json"), "w"))
+
+
+def _parts(work: str) -> list[dict]:
+    parts = [json.load(open(p)) for p in glob.glob(os.path.join(work, "part_*.json"))]
+    return sorted(parts, key=lambda p: os.path.getmtime(os.path.join(work, f"part_{p['name']}.json")))
+
+
+def _junit(shard: str, failed: bool) -> str:
+    cases = '<testcase classname="tests.gpu.standin" name="test_ok" time="0.1"/>'
+    if failed:
+        cases += '<testcase classname="tests.gpu.standin" name="test_bad"><failure message="x"/></testcase>'
+    return (f'<?xml version="1.0"?><testsuites><testsuite name="{shard}" tests="{2 if failed else 1}" '
+            f'failures="{int(failed)}" errors="0" skipped="0">{cases}</testsuite></testsuites>')
+
+
+def standin(step: str, work: str) -> None:
+    """Stand-in results in the shapes the real tests and benches write (GPU_CHECK_DRY=1)."""
+    cond = {"conditions": {"device": "stand-in (GPU_CHECK_DRY=1)"}}
+    if step == "test":
+        for shard in TEST_SHARDS:
+            open(os.path.join(work, f"junit_{shard}.xml"), "w").write(_junit(shard, shard == "others"))
+            open(os.path.join(work, f"tests_{shard}.log"), "w").write("stand-in log\n")
+        return
+    files = {
+        "ceilings": {"rows": [{"kind": "copy", "GB/s": 4000.0}]},
+        "decode": {"rows": [{"b_act": 1, "ms_per_step": 0.9, "roofline_fraction": 0.5, "decode_j_per_token": 0.2},
+                            {"b_act": 64, "ms_per_step": 1.4, "roofline_fraction": 0.75}]},
+        "paged_decode": {"rows": [{"provider": "triton", "ctx": 32768, "B_act": 1, "S": 64, "GB/s": 3500.0,
+                                   "frac_of_copy_bw": 0.87}]},
+        "bench_moe": {"rows": [{"provider": "triton", "mode": "fwd+bwd", "T": 32768, "tflops": 400.0,
+                                "vs_grouped_mm": 1.3}]},
+        "bench_logprob": {"rows": [{"provider": "fused", "mode": "fwd+bwd", "entropy": True, "T": 8192,
+                                    "V": 151936, "ms": 20.0, "peak_extra_mb": 300.0, "mem_ratio": 9.0}]},
+    }
+    for name, data in files.items():
+        json.dump({"name": name, **data, **cond}, open(os.path.join(work, f"{name}.json"), "w"))
+        open(os.path.join(work, f"{name}.log"), "w").write("stand-in log\n")
+
+
+def main(argv: list[str]) -> int:
+    cmd, step, work = argv[0], argv[1], argv[2]
+    if cmd == "finish":
+        return finish(step, work, argv[3], argv[4], int(argv[5]))
+    if cmd == "part":
+        record_part(work, argv[3], int(argv[4]), int(argv[5]), int(argv[6]))
+        return 0
+    if cmd == "standin":
+        standin(step, work)
+        return 0
+    raise SystemExit(f"unknown command {cmd!r}: finish | part | standin")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
