@@ -1,16 +1,16 @@
-// Skinny linear for the CPU decode path: y[B, N] = x[B, K] @ w[N, K]^T for a few rows B, fp32 or bf16.
+// Skinny linear for the CPU decode path: y[B, N] = x[B, K] @ w[N, K]^T for a few rows B (1..8), fp32 or bf16.
 //
 // At decode, B_act token rows meet every weight matrix once: the op is a weight stream (a GEMV
-// per row), bound by memory bandwidth. Each task owns 4 consecutive weight rows, loads each
-// 16-wide chunk of them once and applies it to all B input rows (4*B independent fp32
-// accumulators, so the FMA latency chain never stalls the stream). bf16 weights are widened to
-// fp32 in registers; accumulation is fp32, the output is rounded once to x's dtype.
-// Row limits come from bench/bench_skinny_linear.py. Alone, against torch's linear with the
-// weights coming from memory: fp32 B=1 1.1-1.7x, B=2 0.95-1.3x, B=4 1.1-1.6x; bf16 B=1 1.4-2.1x,
-// B=2 1.4-2.2x, B=4 0.93-0.98x. Inside a qwen3-30m decode step (its --decode part) bf16 B=4 is
-// still 1.2x faster, so both dtypes take B <= 4. Anything else (more rows, other dtypes, no
-// AVX-512 at build time, a non-contiguous weight, autograd) goes to at::linear, so callers can
-// use this op unconditionally on the no-grad CPU path.
+// per row), bound by memory bandwidth. Each task owns 4 consecutive weight rows (2 above B = 4,
+// so the 2*B-8 accumulators still fit the 32 vector registers), loads each 16-wide chunk of them
+// once and applies it to all B input rows, so the FMA latency chain never stalls the stream. bf16
+// weights are widened to fp32 in registers; accumulation is fp32. skinny_linear rounds the output
+// once to x's dtype; skinny_logits keeps it fp32 (the LM head: fp32 logits from bf16 weights with
+// no fp32 copy of the [V, C] matrix).
+// Whether this beats at::linear depends on the CPU (AMX, AVX-512 width, memory bandwidth) and the
+// row count: rlengine/model/kernel_choice.py decides per shape class by timing both at first use.
+// This op only says what it can run: more rows, other dtypes, no AVX-512 at build time, a
+// non-contiguous weight or autograd go to at::linear (skinny_logits: at::linear in fp32).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -22,7 +22,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;
+constexpr int64_t kMaxRows = 8;
 
 #ifdef RLENGINE_SKINNY_AVX512
 
@@ -36,9 +36,9 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
 inline void store_out(float* y, float v) { *y = v; }
 inline void store_out(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }
 
-// Rows [r0, r0 + R) of w against all B rows of xf (fp32, [B, K]); R in 1..4.
-template <int B, int R, typename W>
-inline void rows_kernel(const float* xf, const W* w, int64_t K, int64_t r0, int64_t N, W* y) {
+// Rows [r0, r0 + R) of w against all B rows of xf (fp32, [B, K]); R in 1..4. Y: W's type, or float.
+template <int B, int R, typename W, typename Y>
+inline void rows_kernel(const float* xf, const W* w, int64_t K, int64_t r0, int64_t N, Y* y) {
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -55,24 +55,29 @@ inline void rows_kernel(const float* xf, const W* w, int64_t K, int64_t r0, int6
     for (int b = 0; b < B; ++b) store_out(y + b * N + r0 + r, _mm512_reduce_add_ps(acc[r][b]));
 }
 
-template <int B, typename W>
-void skinny(const float* xf, const W* w, W* y, int64_t N, int64_t K) {
-  const int64_t quads = N / 4;
+template <int B, typename W, typename Y>
+void skinny(const float* xf, const W* w, Y* y, int64_t N, int64_t K) {
+  constexpr int R = B <= 4 ? 4 : 2;  // R*B accumulators + B inputs + 1 weight vector <= 32 registers
+  const int64_t blocks = N / R;
   // >= ~64 KB of weights per task, so two threads split big matrices and small ones stay serial
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K));
-  at::parallel_for(0, quads, grain, [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q) rows_kernel<B, 4>(xf, w, K, 4 * q, N, y);
+  const int64_t grain = std::max<int64_t>(1, 16384 * 4 / R / std::max<int64_t>(1, K));
+  at::parallel_for(0, blocks, grain, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) rows_kernel<B, R>(xf, w, K, R * q, N, y);
   });
-  for (int64_t r = quads * 4; r < N; ++r) rows_kernel<B, 1>(xf, w, K, r, N, y);
+  for (int64_t r = blocks * R; r < N; ++r) rows_kernel<B, 1>(xf, w, K, r, N, y);
 }
 
-template <typename W>
-void dispatch_rows(int64_t B, const float* xf, const W* w, W* y, int64_t N, int64_t K) {
+template <typename W, typename Y>
+void dispatch_rows(int64_t B, const float* xf, const W* w, Y* y, int64_t N, int64_t K) {
   switch (B) {
     case 1: skinny<1>(xf, w, y, N, K); break;
     case 2: skinny<2>(xf, w, y, N, K); break;
     case 3: skinny<3>(xf, w, y, N, K); break;
-    default: skinny<4>(xf, w, y, N, K); break;
+    case 4: skinny<4>(xf, w, y, N, K); break;
+    case 5: skinny<5>(xf, w, y, N, K); break;
+    case 6: skinny<6>(xf, w, y, N, K); break;
+    case 7: skinny<7>(xf, w, y, N, K); break;
+    default: skinny<8>(xf, w, y, N, K); break;
   }
 }
 
@@ -92,32 +97,49 @@ bool supported(const torch::Tensor& x, const torch::Tensor& w) {
 #endif
 }
 
-torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w) {
-  if (!supported(x, w)) return at::linear(x, w);
+// fp32_out: y is fp32 whatever x's dtype (skinny_logits); else y has x's dtype.
+torch::Tensor run_skinny(const torch::Tensor& x, const torch::Tensor& w, bool fp32_out) {
 #ifdef RLENGINE_SKINNY_AVX512
   const int64_t B = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({B, N}, x.options());
+  auto y = torch::empty({B, N}, x.options().dtype(fp32_out ? torch::kFloat : x.scalar_type()));
   const auto xf = x.to(torch::kFloat).contiguous();  // B*K values: negligible next to the weights
   const float* xp = xf.data_ptr<float>();
   if (x.scalar_type() == torch::kFloat) {
     dispatch_rows(B, xp, w.data_ptr<float>(), y.data_ptr<float>(), N, K);
+  } else if (fp32_out) {
+    dispatch_rows(B, xp, w.data_ptr<c10::BFloat16>(), y.data_ptr<float>(), N, K);
   } else {
     dispatch_rows(B, xp, w.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), N, K);
   }
   return y;
 #else
+  (void)fp32_out;
   return at::linear(x, w);
 #endif
 }
+
+torch::Tensor skinny_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  return supported(x, w) ? run_skinny(x, w, false) : at::linear(x, w);
+}
+
+torch::Tensor skinny_logits(const torch::Tensor& x, const torch::Tensor& w) {
+  return supported(x, w) ? run_skinny(x, w, true) : at::linear(x.to(torch::kFloat), w.to(torch::kFloat));
+}
+
+bool skinny_supported(const torch::Tensor& x, const torch::Tensor& w) { return supported(x, w); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rlengine, m) {
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("skinny_logits(Tensor x, Tensor w) -> Tensor");
+  m.def("skinny_supported(Tensor x, Tensor w) -> bool");
 }
 
 // CompositeImplicitAutograd: with gradients required the op is at::linear, which autograd records
 // as usual; the raw kernel runs only where no gradient can flow. Any device: non-CPU goes to at::linear.
 TORCH_LIBRARY_IMPL(rlengine, CompositeImplicitAutograd, m) {
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_logits", &skinny_logits);
+  m.impl("skinny_supported", &skinny_supported);
 }

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 CPP_OPS = ("rms_norm", "store_kvcache", "paged_decode", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul",
-           "skinny_linear")
+           "skinny_linear", "skinny_logits")
 CUDA_OPS = ("store_kvcache",)
 
 

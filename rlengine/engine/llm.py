@@ -39,6 +39,10 @@ model code is rlengine's own, one device); others are refused with the reason.
 On a GPU, decode steps replay CUDA graphs captured per batch bucket (cuda_graph.py) unless
 enforce_eager=True or the backend / MoE implementation cannot be captured; `cuda_graphs_off`
 says why they are off.
+On a CPU, cpu_kernels picks how the projections and the LM head run (rlengine/model/kernel_choice.py):
+"cache" (the default) times torch's linear against the C++ skinny linear (and, in bf16, a chunked
+fp32 upcast) per shape class at first use and keeps the choice per machine in ~/.cache/rlengine;
+"measure" does not touch the disk; "torch" / "skinny" fix one rule; a saved table's .json pins it.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ from rlengine.engine.sampling_params import SamplingParams, sample_seed
 from rlengine.engine.scheduler import ScheduledBatch, Scheduler
 from rlengine.engine.sequence import Sequence, SequenceStatus
 from rlengine.engine.step_inputs import StepInputs
+from rlengine.model import ops as op_dispatch
+from rlengine.model.kernel_choice import configure_from_setting
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.telemetry.nvtx import PhaseRanges
@@ -92,7 +98,7 @@ class LLM:
                  moe_impl: str = "ref", record_routing: bool = False, enforce_eager: bool = False,
                  cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, cpu_kernels: str = "cache"):
         _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization)
         if gpu_memory_utilization is not None and (num_kv_blocks is not None or kv_cache_memory is not None
                                                    or kv_pool is not None):
@@ -101,6 +107,8 @@ class LLM:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.tokenizer, tokenizer_eos = _tokenizer(model, tokenizer)  # before the weights: a bad file fails fast
         self.model = _build_model(model, _as_dtype(dtype, model), device, moe_impl)
+        if self.model.device.type == "cpu":  # which CPU kernels run the projections (model/kernel_choice.py)
+            configure_from_setting(op_dispatch.KERNELS, cpu_kernels)
         cfg = self.model.config
         self.config = cfg
         self.device = self.model.device
@@ -429,6 +437,10 @@ class LLM:
                 for j, t in enumerate(seq.token_ids[1:seq.num_prompt_tokens])]
 
     # ---- batch API ---------------------------------------------------------------------------
+    def cpu_kernels(self) -> dict | None:
+        """The CPU kernel choices so far ({mode, cache, table}; model/kernel_choice.py), None on a GPU."""
+        return op_dispatch.KERNELS.summary() if self.device.type == "cpu" else None
+
     def get_tokenizer(self) -> Tokenizer:
         """The engine's tokenizer (rlengine.model.tokenizer.Tokenizer: encode, decode, apply_chat_template,
         eos_token_ids; `.hf` is the tokenizers.Tokenizer)."""

@@ -4,14 +4,15 @@ The model (qwen3.py) calls fused_ops_for(device) once per forward and runs its f
 with the returned FusedOps, or its plain torch path when there is none; the learner's forward is
 always the torch path. logits_fp32 / linear_nograd are the LM head and projection helpers the two
 sides share. One table per device, chosen here and nowhere else:
-- CPU: the C++ ops of csrc/fused_ops.cpp, and projections through the C++ skinny linear
-  (csrc/skinny_linear.cpp), a weight-streaming GEMV for the few-row matmuls of decode.
+- CPU: the C++ ops of csrc/fused_ops.cpp; projections and the LM head through whichever of
+  torch's linear, the C++ skinny linear (csrc/skinny_linear.cpp, a weight stream for <= 8 rows)
+  and, for bf16, an fp32 GEMM over V-chunks of the upcast weight is fastest on this machine for
+  the shape (KERNELS, rlengine/model/kernel_choice.py: timed at first use, or pinned).
 - GPU: the Triton kernels of kernels/fused_norm.py (capturable in the decode CUDA graphs).
 - Neither built: None, the torch ops.
 Fused kernels replace the elementwise chains of each layer (residual add + RMSNorm, q/k norm +
 RoPE, SiLU * up), which dominate a small model's decode step through per-op dispatch (CPU) or
-per-kernel launch (GPU) cost. Same math as the torch path. SKINNY is read at call time, so a
-benchmark may switch the skinny linear off (bench/bench_skinny_linear.py).
+per-kernel launch (GPU) cost. Same math as the torch path.
 """
 
 from __future__ import annotations
@@ -24,27 +25,103 @@ import torch
 import torch.nn.functional as F
 
 from rlengine import _ext
+from rlengine.model.kernel_choice import KernelChoices, shape_key
 
 FUSED = all(_ext.has_op(op) for op in ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul"))
-SKINNY = _ext.has_op("skinny_linear")
+SKINNY = _ext.has_op("skinny_linear") and _ext.has_op("skinny_logits")
+SKINNY_MAX_ROWS = 8  # csrc/skinny_linear.cpp's kMaxRows
+UPCAST_CHUNK_BYTES = 4 << 20  # fp32 weight rows per chunk of the "upcast" GEMM: cache-sized, not [V, C]
+
+KERNELS = KernelChoices("measure")
+"""The process's CPU kernel choices (LLM(cpu_kernels=...) configures it); see kernel_choice.py."""
+
+
+def _upcast_matmul(x_BK: torch.Tensor, w_NK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x @ w.T in fp32 over chunks of w's rows, each upcast into one reused cache-sized buffer:
+    fp32 accumulation with no fp32 copy of the whole weight. Output in out_dtype."""
+    (B, K), N = x_BK.shape, w_NK.shape[0]
+    rows = max(16, UPCAST_CHUNK_BYTES // (4 * K))
+    buf = torch.empty(min(rows, N), K, dtype=torch.float32)
+    out = torch.empty(B, N, dtype=out_dtype)
+    xf = x_BK.float()
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        chunk = buf[: n1 - n0].copy_(w_NK[n0:n1])
+        out[:, n0:n1] = torch.mm(xf, chunk.t())
+    return out
+
+
+def _skinny_ok(x_BK: torch.Tensor, w_NK: torch.Tensor) -> bool:
+    return (SKINNY and x_BK.dim() == 2 and 1 <= x_BK.shape[0] <= SKINNY_MAX_ROWS and w_NK.is_contiguous()
+            and x_BK.dtype == w_NK.dtype and x_BK.dtype in (torch.float32, torch.bfloat16))
+
+
+def _choose(op: str, x_BK: torch.Tensor, w_NK: torch.Tensor, candidates: Callable[[], dict]) -> str:
+    memo_key = (op, x_BK.dtype, x_BK.shape[0], w_NK.shape)
+    impl = KERNELS.memo.get(memo_key)
+    if impl is None:
+        cands = candidates()
+        impl = KERNELS.choose(shape_key(op, x_BK.dtype, x_BK.shape[0], tuple(w_NK.shape)), cands,
+                              rule="skinny" if "skinny" in cands else "torch")
+        KERNELS.memo[memo_key] = impl
+    return impl
+
+
+def _linear_candidates(x_BK, w_NK) -> dict:
+    cands = {"torch": lambda: F.linear(x_BK, w_NK)}
+    if _skinny_ok(x_BK, w_NK):
+        cands["skinny"] = lambda: torch.ops.rlengine.skinny_linear(x_BK, w_NK)
+    if x_BK.dtype == torch.bfloat16 and w_NK.dtype == torch.bfloat16:
+        cands["upcast"] = lambda: _upcast_matmul(x_BK, w_NK, torch.bfloat16)
+    return cands
 
 
 def linear_nograd(x_TC: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T on the CPU inference path (no bias): the skinny linear when built and on."""
-    return torch.ops.rlengine.skinny_linear(x_TC, w) if SKINNY else F.linear(x_TC, w)
+    """x @ w.T on the CPU inference path (no bias, no autograd), by the implementation KERNELS
+    chose for this (dtype, rows, weight shape); elsewhere torch's linear."""
+    if x_TC.device.type != "cpu" or x_TC.dim() != 2 or x_TC.shape[0] == 0 or w.dtype != x_TC.dtype:
+        return F.linear(x_TC, w)
+    impl = _choose("linear", x_TC, w, lambda: _linear_candidates(x_TC, w))
+    if impl == "skinny":
+        return torch.ops.rlengine.skinny_linear(x_TC, w)
+    if impl == "upcast":
+        return _upcast_matmul(x_TC, w, x_TC.dtype)
+    return F.linear(x_TC, w)
 
 
-def logits_fp32(h_BC: torch.Tensor, w_VC: torch.Tensor) -> torch.Tensor:
-    """h @ W^T with low-precision inputs, fp32 accumulation and fp32 output: [B, C] x [V, C] -> [B, V].
+def _logits_candidates(h_BC, w_VC) -> dict:
+    if h_BC.dtype == torch.float32:
+        cands = {"torch": lambda: F.linear(h_BC, w_VC)}
+    else:  # torch's own way to fp32 logits from bf16 weights is the full upcast ([V, C] fp32 copy)
+        cands = {"torch": lambda: F.linear(h_BC.float(), w_VC.float()),
+                 "upcast": lambda: _upcast_matmul(h_BC, w_VC, torch.float32)}
+    if _skinny_ok(h_BC, w_VC):
+        cands["skinny"] = lambda: torch.ops.rlengine.skinny_logits(h_BC, w_VC)
+    return cands
+
+
+def logits_fp32(h_BC: torch.Tensor, w_VC: torch.Tensor, *, engine: bool = False) -> torch.Tensor:
+    """h @ W^T with fp32 accumulation and fp32 output: [B, C] x [V, C] -> [B, V] fp32.
 
     CUDA: one GEMM with out_dtype=float32 (cuBLAS accumulates in fp32; no fp32 copy of W).
-    Elsewhere: upcast both inputs (exact) and multiply in fp32. A float64 model (the test-only
-    dtype of the exact multi-rank comparisons) keeps float64 logits: no fp32 rounding enters.
+    CPU with engine=True (the engine's sampled rows, no autograd): the implementation KERNELS
+    chose (the skinny kernel reading bf16 rows, the chunked upcast, or torch on a full fp32 copy).
+    CPU otherwise (the learner): the full upcast, which autograd differentiates. A float64 model
+    (the test-only dtype of the exact multi-rank comparisons) keeps float64 logits.
     """
     if h_BC.dtype == torch.float64:
         return F.linear(h_BC, w_VC.double())
     if h_BC.device.type == "cuda" and _MM_OUT_DTYPE:
         return torch.mm(h_BC, w_VC.t(), out_dtype=torch.float32)
+    if (not engine or h_BC.device.type != "cpu" or h_BC.dim() != 2 or h_BC.shape[0] == 0 or w_VC.dtype != h_BC.dtype
+            or h_BC.dtype not in (torch.float32, torch.bfloat16)
+            or (torch.is_grad_enabled() and (h_BC.requires_grad or w_VC.requires_grad))):
+        return F.linear(h_BC.float(), w_VC.float())
+    impl = _choose("logits", h_BC, w_VC, lambda: _logits_candidates(h_BC, w_VC))
+    if impl == "skinny":
+        return torch.ops.rlengine.skinny_logits(h_BC, w_VC)
+    if impl == "upcast":
+        return _upcast_matmul(h_BC, w_VC, torch.float32)
     return F.linear(h_BC.float(), w_VC.float())
 
 

@@ -192,11 +192,9 @@ class Qwen3ForCausalLM(nn.Module):
         the learner's fused log-prob kernel computes from the same hidden states and weights.
         """
         w = self.lm_head.weight
-        if w.dtype in (torch.float32, torch.float64) or hidden_TC.shape[0] == 0:
-            if op_dispatch.SKINNY and hidden_TC.device.type == "cpu" and w.dtype == torch.float32:
-                return op_dispatch.linear_nograd(hidden_TC, w)
+        if hidden_TC.shape[0] == 0 or (w.dtype == torch.float32 and hidden_TC.device.type != "cpu"):
             return F.linear(hidden_TC, w)
-        return logits_fp32(hidden_TC, w)
+        return logits_fp32(hidden_TC, w, engine=True)
 
     def forward(self, input_ids_BS: torch.Tensor, *, cu_seqlens: list[int] | None = None, head=None,
                 fast: bool = False):

@@ -70,11 +70,12 @@ def device_info(device: torch.device | str | None = None) -> dict:
 
 
 def engine_state(llm) -> dict:
-    """The attention backend and CUDA-graph state an LLM actually runs with."""
+    """The attention backend, CUDA-graph state and CPU kernel choices an LLM actually runs with."""
     graphs = getattr(getattr(llm, "runner", None), "graphs", None)
     return {"attention_backend": llm.attention_backend,
             "cuda_graphs": "on" if llm.cuda_graphs_off is None else f"off: {llm.cuda_graphs_off}",
-            "cuda_graph_buckets": list(getattr(graphs, "sizes", []) or []) or None}
+            "cuda_graph_buckets": list(getattr(graphs, "sizes", []) or []) or None,
+            "cpu_kernels": llm.cpu_kernels() if hasattr(llm, "cpu_kernels") else None}
 
 
 def provenance(device: torch.device | str | None = None, *, llm=None, **extra) -> dict:

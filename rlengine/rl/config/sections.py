@@ -88,6 +88,9 @@ class GenSection:
     record_routing: bool = False         # MoE routing replay
     enforce_eager: bool = False          # GPU: no CUDA graphs for decode steps
     logprobs_mode: str = "processed"     # behaviour log-probs: processed (the filtered distribution) | raw
+    # CPU kernels: measure (timed at first use) | cache (measured once per machine, ~/.cache/rlengine) |
+    # torch | skinny | a saved table's .json path (pinned: a seeded run reproduces token for token)
+    cpu_kernels: str = "cache"
 
 
     def __post_init__(self):
@@ -98,6 +101,9 @@ class GenSection:
         _check(self.max_lag >= 0, f"gen.max_lag must be >= 0, got {self.max_lag}")
         _check(self.logprobs_mode in ("raw", "processed"),
                f"gen.logprobs_mode must be raw|processed, got {self.logprobs_mode!r}")
+        _check(self.cpu_kernels in ("measure", "cache", "torch", "skinny") or self.cpu_kernels.endswith(".json"),
+               f"gen.cpu_kernels must be measure|cache|torch|skinny or a saved table's .json path, "
+               f"got {self.cpu_kernels!r}")
 
     @property
     def filtered(self) -> bool:
