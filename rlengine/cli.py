@@ -183,6 +183,20 @@ def _train_config(args):
     return cfg
 
 
+def _cmd_config(args) -> int:
+    """`rlengine config show`: the job's every field with value, default and doc (rlengine.rl.config.show)."""
+    from importlib import resources
+
+    from rlengine.rl.config import load_config
+    from rlengine.rl.config.show import field_rows, format_rows
+
+    cfg = load_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml"),
+                      args.overrides)
+    print("\n".join(format_rows(field_rows(cfg))))
+    print("(* = differs from the built-in defaults; override any field with --section.field VALUE)")
+    return 0
+
+
 def _launch(args) -> int:
     """`rlengine train --nproc K`: check the config here (one clear error, no process started), then
     start K ranks of the same command through torch's elastic launcher (what torchrun runs)."""
@@ -360,6 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RL updates to record (0-based; update START-1 is the profiler's warm-up)")
     p.set_defaults(func=_cmd_train)
 
+    p = sub.add_parser("config", help="show every config field of a job: value, default and what it means",
+                       description="`rlengine config show [--config X] [--section.field VALUE ...]` prints every "
+                       "field of the job's config (file plus overrides) with its value, default and one line of doc.")
+    p.add_argument("action", choices=["show"], help="what to do (show)")
+    _add_job_args(p)
+    p.set_defaults(func=_cmd_config)
+
     from rlengine.benchmarks import BENCHMARKS
 
     p = sub.add_parser("bench", help="run a benchmark: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()),
@@ -429,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     function's traceback, the list of prompts that do not fit) are printed above it. Bugs propagate."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if getattr(args, "command", None) == "train":
+    if getattr(args, "command", None) in ("train", "config"):  # dotted --section.field overrides
         args.overrides = unknown
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
