@@ -197,6 +197,19 @@ def _cmd_config(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    """`rlengine plot RUN_DIR...` (rlengine.plots.runs), or one benchmark / tune JSON with --kind."""
+    from rlengine.config import ConfigError
+    from rlengine.plots import draw
+
+    try:
+        paths = draw(args.kind, args.paths, args.out, x=args.x, y=args.y, group=args.group)
+    except (ImportError, ValueError) as exc:  # no matplotlib; a path, record or field, named in the message
+        raise ConfigError(str(exc)) from None
+    print("\n".join(f"wrote {p}" for p in paths))
+    return 0
+
+
 def _launch(args) -> int:
     """`rlengine train --nproc K`: check the config here (one clear error, no process started), then
     start K ranks of the same command through torch's elastic launcher (what torchrun runs)."""
@@ -380,6 +393,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["show"], help="what to do (show)")
     _add_job_args(p)
     p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("plot", help="PNG figures of runs (J, reward, length, KL, grad norm vs N and time)",
+                       description="`rlengine plot RUN_DIR...` draws metrics_vs_N.png and metrics_vs_time.png from "
+                       "each run's metrics.jsonl, runs overlaid (needs matplotlib: the plot extra). --kind KIND FILE "
+                       "draws a benchmark JSON (decode, asymmetry, ttt, sweep, serve) or a tune report.json.")
+    p.add_argument("paths", nargs="+", metavar="RUN_DIR", help="run directories (or one JSON file with --kind)")
+    p.add_argument("-o", "--out", default=None, help="output directory for runs (default: the run directory, or "
+                   "plots/ for several runs); the PNG path for --kind")
+    from rlengine.plots import KINDS
+
+    p.add_argument("--kind", default="runs", choices=KINDS, help="what the paths are (default: runs)")
+    p.add_argument("--x", default=None, help="--kind sweep: x column")
+    p.add_argument("--y", default=None, help="--kind sweep: comma-separated y columns")
+    p.add_argument("--group", default=None, help="--kind sweep: columns that tell lines apart")
+    p.set_defaults(func=_cmd_plot)
 
     from rlengine.benchmarks import BENCHMARKS
 

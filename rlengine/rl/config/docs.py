@@ -88,7 +88,9 @@ FIELD_DOCS: dict[str, str] = {
     "eval.primary": "the set whose mean@k is J; empty = the first",
     "eval.pass_threshold": "pass@k: a sample counts as correct when its reward >= this",
     # [run]
-    "run.out_dir": "run directory (metrics.jsonl, config.json, checkpoints); a taken one gets -1, -2, ...",
+    "run.name": "the run's label in plots and reports; empty = out_dir's last part",
+    "run.out_dir": "run directory (metrics.jsonl, config.json, checkpoints); a taken one gets -1, -2, ...; "
+                   "runs/<name> when run.name is set",
     "run.seed": "seed of the model init, sampling and prompt order",
     "run.checkpoint_every": "updates between checkpoints; 0 = only at the end",
     "run.progress": "show a progress bar over the updates",

@@ -244,7 +244,8 @@ class EvalSection:
 
 @dataclass(slots=True, kw_only=True)
 class RunSection:
-    out_dir: str = "runs/default"
+    name: str = ""                       # the run's label (plots, reports); "" = out_dir's last part
+    out_dir: str = "runs/default"        # with name set and out_dir left at its default: runs/<name>
     seed: int = 0
     checkpoint_every: int = 0            # updates; 0 = only at the end
     progress: bool = True
@@ -255,6 +256,10 @@ class RunSection:
     dist_timeout_s: float = 300.0        # a collective that waits longer than this fails the job (several ranks)
 
     def __post_init__(self):
+        _check("/" not in self.name and self.name not in (".", ".."),
+               f"run.name must be a plain name (no '/'), got {self.name!r}")
+        if self.name and self.out_dir == "runs/default":
+            self.out_dir = f"runs/{self.name}"
         _check(self.samples_every >= 0, f"run.samples_every must be >= 0, got {self.samples_every}")
         _check(self.dist_timeout_s > 0, f"run.dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
         _check(self.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0 keeps all), got {self.keep_checkpoints}")
