@@ -95,15 +95,19 @@ def _cmd_generate(args) -> int:
     """Text in, text out through the engine (LLM.generate / LLM.chat); prints each completion's text."""
     from rlengine.config import ConfigError
     from rlengine.engine import LLM, SamplingParams
+    from rlengine.model.factory import tokenizer_for
     from rlengine.preflight import check_device, check_model
 
     check_device(args.device, "--device")
     check_model(args.model, "--model")
+    tokenizer_for(args.model)  # a checkpoint without tokenizer files must suit the built-in one
     if args.system is not None and not args.chat:
         raise ConfigError("--system needs --chat (a system turn is part of the chat template)")
     for flag, value in (("--max-tokens", args.max_tokens), ("--n", args.n)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if args.seed is not None and args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                                 max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)

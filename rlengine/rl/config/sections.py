@@ -166,6 +166,8 @@ class TrainSection:
                f"train.parallel must be auto|none|ddp|fsdp, got {self.parallel!r}")
         _check(self.master_weights in ("auto", "fp32", "none"),
                f"train.master_weights must be auto|fp32|none, got {self.master_weights!r}")
+        _check(self.b_train >= 0, f"train.b_train must be >= 1 responses per update (or 0: P x G from "
+                                  f"train.prompts_per_step), got {self.b_train}")
         if self.b_train:
             _check(self.b_train % self.group_size == 0,
                    f"train.b_train ({self.b_train}) must be divisible by train.group_size G ({self.group_size})")
@@ -284,6 +286,10 @@ class TrainConfig:
         b_gen = self.gen.b_gen or self.train.b_train
         _check(b_gen >= self.train.group_size,
                f"gen.b_gen ({b_gen}) must hold at least one group of G={self.train.group_size} responses")
+        _check(b_gen >= self.train.b_train,
+               f"gen.b_gen ({b_gen}) must be >= train.b_train ({self.train.b_train}): B_gen counts the responses in "
+               "flight, at least one update's worth (0 = B_train, coupled; larger = async partial rollouts); the KV "
+               "pool (gen.num_kv_blocks) is what bounds how many decode at once")
         self.gen.b_gen = b_gen
         t = self.train
         if t.overlong == "soft":
