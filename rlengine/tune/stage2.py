@@ -1,4 +1,4 @@
-"""Stage 2 of Algorithm 1: raise B_gen (decode concurrency, async partial rollouts) per candidate.
+"""Stage 2 of Algorithm 1 (docs/METHOD.md): raise B_gen (decode concurrency, async partial rollouts) per candidate.
 
 For each B_train that reached J* on every seed, B_gen climbs a ladder (1, 2, 4, 8 x B_train by
 default) until the end-to-end throughput q = responses / (t_gen + t_train) stops rising by more
