@@ -31,15 +31,21 @@ def _cmd_info(args) -> int:
     from rlengine import _ext
     from rlengine.config import PRESETS, preset
 
+    if args.overrides and not args.plan:
+        from rlengine.config import ConfigError
+
+        raise ConfigError(f"{args.overrides[0]}: config overrides need --plan CONFIG (they change that config)")
     if args.plan:  # the per-device memory plan of a training config, and its B_KV
         from rlengine.analysis.memory_plan import GiB
         from rlengine.rl.trainer.memory import device_memory, engine_max_model_len, plan_for_config
         from rlengine.config import ConfigError
+        from rlengine.preflight import check_model
         from rlengine.rl.config import load_config
 
         if args.device_memory is not None and not args.device_memory > 0:
             raise ConfigError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
-        cfg = load_config(args.plan)
+        cfg = load_config(args.plan, args.overrides)  # gsm8k: --model.name DIR
+        check_model(cfg.model.name, "model.name")
         mem, source = (int(args.device_memory * GiB), "--device-memory") if args.device_memory else device_memory()
         cuda = args.device_memory is not None or torch.cuda.is_available()
         plan = plan_for_config(cfg, device_bytes=mem, max_model_len=engine_max_model_len(cfg),
@@ -277,7 +283,7 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 
 
 def _cmd_tune(args) -> int:
-    """Algorithm 1 (rlengine.tune): stage 1, stage 2, choice, confirmation, report in --out."""
+    """Algorithm 1 of docs/METHOD.md (rlengine.tune): stage 1, stage 2, choice, confirmation, report in --out."""
     from importlib import resources
 
     from rlengine.config import ConfigError
@@ -332,11 +338,11 @@ def _cmd_report(args) -> int:
 def _cmd_bench(args) -> int:
     import importlib
 
-    from rlengine.benchmarks import BENCHMARKS
+    from rlengine.benchmarks import BENCHMARKS, MODULES
 
     if args.name not in BENCHMARKS:
         raise SystemExit(f"unknown benchmark {args.name!r}; choose from {', '.join(BENCHMARKS)}")
-    return importlib.import_module(f"rlengine.benchmarks.{args.name}").main(args.args)
+    return importlib.import_module(MODULES[args.name]).main(args.args) or 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -346,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="show presets, devices and whether the C++ extension is built")
     p.add_argument("--plan", default=None, metavar="CONFIG",
-                   help="print the per-device memory plan (and B_KV) of a training config instead")
+                   help="print the per-device memory plan (and B_KV) of a training config instead; dotted "
+                   "overrides apply to it (--plan gsm8k --model.name DIR)")
     p.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                    help="device memory for --plan in GiB (default: this CUDA device's, else this machine's RAM)")
     p.set_defaults(func=_cmd_info)
@@ -423,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("tune", help="Algorithm 1: find the B_train / B_gen that reach a target J soonest",
+    p = sub.add_parser("tune", help="Algorithm 1 (docs/METHOD.md): the B_train / B_gen that reach a target J soonest",
                        description="Stage 1: sample-matched curves per B_train with the sqrt LR rule (r_N at J*); "
                        "stage 2: raise B_gen until q plateaus or B_KV; choose max q / r_N; confirm against the "
                        "job on fresh seeds; write report.md, report.json, chosen.toml, runs.jsonl, figures/.")
@@ -482,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     function's traceback, the list of prompts that do not fit) are printed above it. Bugs propagate."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if getattr(args, "command", None) in ("train", "config"):  # dotted --section.field overrides
+    if getattr(args, "command", None) in ("train", "config", "info"):  # dotted --section.field overrides
         args.overrides = unknown
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

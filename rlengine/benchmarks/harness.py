@@ -1,6 +1,6 @@
 """Shared benchmark harness: timing, sweeps, rates against ceilings, tables, JSON and plots.
 
-Every bench script in bench/ times its providers with `measure()`, collects rows, and calls
+Every micro-benchmark (rlengine/benchmarks/micro/, `rlengine bench NAME`, or the scripts in bench/) times its providers with `measure()`, collects rows, and calls
 `report()`, which prints an aligned table and writes JSON whose "conditions" are
 rlengine.telemetry.provenance (commit, dirty flag, device, versions) plus the script's own.
 Timing on a GPU follows triton.testing.do_bench: warm-up, an L2 flush (a 256 MB write) before
@@ -17,7 +17,6 @@ measured ceilings (`rlengine bench ceilings`).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import statistics
@@ -219,12 +218,13 @@ def peak_memory_mb(device: torch.device | str) -> float | None:
 
 
 def plot_sweep(path: str | Path, rows: list[dict], *, x: str, y: list[str], group: list[str] | None = None) -> Path:
-    """tools/plots.py's sweep plot of `rows` (loaded by path: tools/ is not a package)."""
-    source = Path(__file__).parents[1] / "tools" / "plots.py"
-    spec = importlib.util.spec_from_file_location("rlengine_tools_plots", source)
-    plots = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plots)
-    return plots.plot_sweep({"rows": rows}, path, x=x, y=y, group=group)
+    """rlengine.plots.measurements' sweep plot of `rows` (matplotlib: the plot extra)."""
+    from rlengine.plots import require_matplotlib
+
+    require_matplotlib()
+    from rlengine.plots.measurements import plot_sweep as draw
+
+    return draw({"rows": rows}, path, x=x, y=y, group=group)
 
 
 def report(name: str, rows: list[dict], *, out: str | Path | None = None, columns: list[str] | None = None,
@@ -234,7 +234,7 @@ def report(name: str, rows: list[dict], *, out: str | Path | None = None, column
     plot: {"path": PNG, "x": column, "y": [columns], "group": [columns]} also draws the sweep.
     """
     print(format_table(rows, columns))
-    out_dir = Path(out) if out else Path(__file__).parent / "results"
+    out_dir = Path(out) if out else Path("bench") / "results"  # under the current directory
     path = write_json(out_dir / f"{name}.json", {"name": name, "rows": rows, **(extra or {})}, device=device)
     print(f"wrote {path}")
     if plot and plot.get("path"):

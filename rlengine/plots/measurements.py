@@ -13,7 +13,7 @@
       any sweep: one line per y column and per value of the group columns (log x when x spans > 8x)
   python tools/plots.py serve bench/results/serve.json -o serve.png
       TTFT / TPOT / ITL percentiles against request rate (rows: request_rate, *_ms percentiles)
-Each input is a JSON object with a "rows" list (what bench/harness.py writes); a run's metrics.jsonl
+Each input is a JSON object with a "rows" list (what rlengine/benchmarks/harness.py writes); a run's metrics.jsonl
 is JSON Lines, which `rlengine plot RUN_DIR` draws (rlengine.plots.runs).
 """
 
@@ -58,7 +58,7 @@ def plot_decode(data: dict, out: str | Path) -> Path:
     bound = [r.get("roofline_tokens_per_s") for r in rows]
     if any(v is not None for v in bound):
         pts = [(x, v) for x, v in zip(b, bound) if v is not None]
-        ax_q.plot(*zip(*pts), "k--", label="roofline bound (Eq. 5)")
+        ax_q.plot(*zip(*pts), "k--", label="roofline bound (Eq. 5 of docs/METHOD.md)")
     ax_q.set(yscale="log", xlabel="B_act", ylabel="tokens/s", title="decode throughput")
     ax_q.set_xscale("log", base=2)
     ax_q.legend()

@@ -39,3 +39,17 @@ def test_info_lists_ops_and_attention_backends(capsys):
     out = capsys.readouterr().out
     assert "skinny_linear" in out and "attention backends on cpu:" in out
     assert "cpp        available" in out and "flashinfer unavailable: flashinfer needs a CUDA device" in out
+
+
+def test_info_plan_takes_overrides_such_as_the_checkpoint(tmp_path, capsys):
+    """`rlengine info --plan gsm8k --model.name DIR`: the packaged job needs a checkpoint; the plan is of it."""
+    from rlengine.config import preset
+    from rlengine.model import Qwen3ForCausalLM, save_pretrained
+
+    save_pretrained(Qwen3ForCausalLM(preset("tiny")), tmp_path / "ckpt")
+    argv = ["info", "--plan", "gsm8k", "--model.name", str(tmp_path / "ckpt"), "--device-memory", "8",
+            "--train.b_train", "64"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"memory plan of gsm8k ({tmp_path / 'ckpt'}, bfloat16" in out
+    assert "rollout B_gen = 64" in out  # the override reached the plan

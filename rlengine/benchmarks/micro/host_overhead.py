@@ -30,13 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlengine import LLM, SamplingParams
 from rlengine.config import preset
 from rlengine.engine.model_runner import StepOutput
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 
-from bench.harness import parse_grid, report
+from rlengine.benchmarks.harness import parse_grid, report
 
 P = 16
 COLUMNS = ["B_act", "context", "schedule_us", "prepare_us", "postprocess_us", "total_us", "total_p90_us",
@@ -88,7 +87,7 @@ def measure(B: int, S: int, steps: int, warmup: int = 5) -> dict:
 def _before_rows(args) -> list[dict]:
     if args.before:
         return json.loads(Path(args.before).read_text())
-    existing = Path(args.out or Path(__file__).parent / "results") / "host_overhead.json"
+    existing = Path(args.out or Path("bench") / "results") / "host_overhead.json"
     if existing.is_file():
         return json.loads(existing.read_text()).get("before", [])
     return []

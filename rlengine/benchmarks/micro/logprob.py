@@ -15,16 +15,13 @@ small case: the fused kernel needs a GPU (the Triton interpreter is a correctnes
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlengine.kernels.fused_logprob import default_config, fused_logprob
 
-from bench.harness import (add_sweep_args, load_ceilings, measure, one_launch, peak_memory_mb, rates, report,
-                           selected_providers, sweep_cases)
+from rlengine.benchmarks.harness import (add_sweep_args, load_ceilings, measure, one_launch, peak_memory_mb, rates,
+                                         report, selected_providers, sweep_cases)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PROVIDERS = ["unfused", "fused"]  # unfused is the baseline

@@ -15,17 +15,14 @@ Without a GPU it runs one small fp32 shape with the reference only and says so.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 from rlengine.kernels.fused_moe import fused_moe, fused_moe_ref
 
-from bench.harness import (add_sweep_args, load_ceilings, measure, one_launch, peak_memory_mb, rates, report,
-                           selected_providers, sweep_cases)
+from rlengine.benchmarks.harness import (add_sweep_args, load_ceilings, measure, one_launch, peak_memory_mb, rates,
+                                         report, selected_providers, sweep_cases)
 
 QWEN3_30B_A3B = {"C": 2048, "F": 768, "E": 128, "K": 8}
 CPU_SHAPE = {"C": 64, "F": 32, "E": 8, "K": 2}

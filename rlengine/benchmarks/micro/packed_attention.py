@@ -17,12 +17,9 @@ the measured matmul ceiling with --ceilings. The sweep is declarative:
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlengine.config import preset
 from rlengine.model.attention import PackedCausal
 from rlengine.model.qwen3 import Qwen3ForCausalLM
@@ -31,8 +28,8 @@ from rlengine.rl.config import TrainSection
 from rlengine.rl.learner.learner import Learner
 from rlengine.rl.types import RolloutGroup
 
-from bench.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report, selected_providers,
-                           sweep_cases)
+from rlengine.benchmarks.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report,
+                                         selected_providers, sweep_cases)
 
 PROVIDERS = ["loop", "padded"]  # "loop" is the reference
 

@@ -6,7 +6,7 @@ median ms, GB/s of K/V read and that rate's fraction of the measured copy bandwi
 from `rlengine bench ceilings`; the goal at long contexts is >= 0.85), and the speedup over the
 reference. Triton runs as the engine runs it: a workspace sized by num_kv_heads and splits chosen
 from the SM count (the S column; S=1 is one launch without the merge kernel). Triton runs only on
-a GPU, the C++ kernel only on the CPU. Timing: bench/harness.py (L2 flushed before every call).
+a GPU, the C++ kernel only on the CPU. Timing: rlengine/benchmarks/harness.py (L2 flushed before every call).
 
     python bench/bench_paged_decode.py [--grid "B=1,8,64 ctx=4096,32768"] [--dtype bfloat16]
         [--ceilings bench/results/ceilings.json] [--out DIR]
@@ -15,14 +15,11 @@ a GPU, the C++ kernel only on the CPU. Timing: bench/harness.py (L2 flushed befo
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from bench.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report, selected_providers,
-                           sweep_cases)
+from rlengine.benchmarks.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report,
+                                         selected_providers, sweep_cases)
 from rlengine import _ext
 from rlengine.kernels import paged_decode as pd
 

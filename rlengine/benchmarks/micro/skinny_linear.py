@@ -14,20 +14,17 @@ from `rlengine bench ceilings`) and the speedup. The sweep is declarative, e.g.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import rlengine.model.qwen3 as qwen3
 from rlengine.model import ops
 from rlengine import LLM, SamplingParams, _ext
 from rlengine.config import preset
 
-from bench.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report, selected_providers,
-                           sweep_cases)
+from rlengine.benchmarks.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report,
+                                         selected_providers, sweep_cases)
 
 PROVIDERS = ["torch", "skinny"]  # "torch" (F.linear) is the reference
 
