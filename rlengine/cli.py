@@ -101,12 +101,15 @@ def _cmd_generate(args) -> int:
     """Text in, text out through the engine (LLM.generate / LLM.chat); prints each completion's text."""
     from rlengine.config import ConfigError
     from rlengine.engine import LLM, SamplingParams
-    from rlengine.model.factory import tokenizer_for
+    from rlengine.model.factory import has_tokenizer_files, tokenizer_for
     from rlengine.preflight import check_device, check_model
 
     check_device(args.device, "--device")
     check_model(args.model, "--model")
-    tokenizer_for(args.model)  # a checkpoint without tokenizer files must suit the built-in one
+    if args.tokenizer and not has_tokenizer_files(args.tokenizer):
+        raise ConfigError(f"--tokenizer {args.tokenizer!r}: not a directory with tokenizer files "
+                          "(tokenizer.json / tokenizer_config.json)")
+    tokenizer_for(args.tokenizer or args.model)  # without --tokenizer: the checkpoint's, or the built-in one if it fits
     if args.system is not None and not args.chat:
         raise ConfigError("--system needs --chat (a system turn is part of the chat template)")
     for flag, value in (("--max-tokens", args.max_tokens), ("--n", args.n)):
@@ -119,7 +122,7 @@ def _cmd_generate(args) -> int:
                                 max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)
     except ValueError as exc:
         raise ConfigError(f"{exc} (check --temperature / --top-p / --seed / --stop)") from None
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         messages.append({"role": "user", "content": args.prompt})
@@ -376,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--n", type=int, default=1, help="completions to print")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer files from DIR (default: the checkpoint's own, or the built-in one for presets)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.set_defaults(func=_cmd_generate)
 

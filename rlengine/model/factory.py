@@ -65,5 +65,6 @@ def tokenizer_for(name: str) -> Tokenizer:
                 f"{name}: no tokenizer files (tokenizer.json / tokenizer_config.json) and the model's vocabulary is "
                 f"{vocab} tokens; the built-in tokenizer (used then) has {tok.vocab_size}, which only suits "
                 f"rlengine's small presets (vocabularies up to {BUILTIN_TOKENIZER_MAX_VOCAB}): copy the tokenizer "
-                "files of the model it was trained from into the directory, or pass one (LLM(..., tokenizer=...))")
+                "files of the model it was trained from into the directory, or pass one explicitly "
+                "(LLM(..., tokenizer=...), rlengine generate --tokenizer DIR)")
     return tok

@@ -154,6 +154,8 @@ CASES = [
     ("generate-negative-temperature", ["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
     ("generate-no-prompt", ["generate"], "--prompt"),
     ("generate-negative-seed", ["generate", "--prompt", "hi", "--seed", "-1"], "--seed"),
+    ("generate-tokenizer-not-a-tokenizer-dir", ["generate", "--prompt", "hi", "--tokenizer", "{missing}"],
+     "--tokenizer"),
     ("generate-vocab-beyond-builtin-tokenizer", ["generate", "--model", "{big_vocab}", "--prompt", "hi"], "8192"),
     # info, demo, tune, report
     ("info-plan-missing", ["info", "--plan", "missing.toml"], "missing.toml"),
