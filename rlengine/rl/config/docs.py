@@ -27,7 +27,7 @@ FIELD_DOCS: dict[str, str] = {
     "task.chat_template": "wrap each prompt as a chat message through the tokenizer's chat template",
     "task.system_prompt": "system message with chat_template; empty = none",
     # [gen]
-    "gen.b_gen": "B_gen: responses in flight in the generator; 0 = B_train (coupled), > B_train = async partial rollouts",
+    "gen.b_gen": "B_gen: responses in flight, >= B_train; 0 = B_train (coupled), larger = async partial rollouts",
     "gen.temperature": "sampling temperature of rollouts (> 0)",
     "gen.top_p": "nucleus sampling: keep the smallest set of tokens with probability >= top_p; 1 = off",
     "gen.top_k": "keep the k most likely tokens; -1 = off",
