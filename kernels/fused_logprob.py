@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+
+from rlengine.kernels._triton import tl, triton
 from torch import Tensor
 
 # ----------------------------------------------------------------------------- kernels

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+
+from rlengine.kernels._triton import tl, triton
 
 from .moe_align import MoEAlignment, moe_align
 

@@ -28,8 +28,8 @@ Dimension legend: R rows, C hidden, F FFN, T tokens, H / Hkv query / KV heads, D
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from rlengine.kernels._triton import tl, triton
 
 
 @triton.jit

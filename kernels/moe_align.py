@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+
+from rlengine.kernels._triton import tl, triton
 
 MAX_KERNEL_PAIRS = 8192  # N_BLOCK keys per program: 32 int32 registers per thread at 8 warps
 

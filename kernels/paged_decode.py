@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from rlengine.kernels._triton import tl, triton
 
 MAX_SPLITS = 64             # B=1 long-context decode needs ~2 CTAs per SM: 132 SMs / Hkv=4 -> 64 splits
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, merge) outweighs the parallelism

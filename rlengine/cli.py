@@ -31,15 +31,21 @@ def _cmd_info(args) -> int:
     from rlengine import _ext
     from rlengine.config import PRESETS, preset
 
+    if args.overrides and not args.plan:
+        from rlengine.config import ConfigError
+
+        raise ConfigError(f"{args.overrides[0]}: config overrides need --plan CONFIG (they change that config)")
     if args.plan:  # the per-device memory plan of a training config, and its B_KV
         from rlengine.analysis.memory_plan import GiB
         from rlengine.rl.trainer.memory import device_memory, engine_max_model_len, plan_for_config
         from rlengine.config import ConfigError
+        from rlengine.preflight import check_model
         from rlengine.rl.config import load_config
 
         if args.device_memory is not None and not args.device_memory > 0:
             raise ConfigError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
-        cfg = load_config(args.plan)
+        cfg = load_config(args.plan, args.overrides)  # gsm8k: --model.name DIR
+        check_model(cfg.model.name, "model.name")
         mem, source = (int(args.device_memory * GiB), "--device-memory") if args.device_memory else device_memory()
         cuda = args.device_memory is not None or torch.cuda.is_available()
         plan = plan_for_config(cfg, device_bytes=mem, max_model_len=engine_max_model_len(cfg),
@@ -95,21 +101,28 @@ def _cmd_generate(args) -> int:
     """Text in, text out through the engine (LLM.generate / LLM.chat); prints each completion's text."""
     from rlengine.config import ConfigError
     from rlengine.engine import LLM, SamplingParams
+    from rlengine.model.factory import has_tokenizer_files, tokenizer_for
     from rlengine.preflight import check_device, check_model
 
     check_device(args.device, "--device")
     check_model(args.model, "--model")
+    if args.tokenizer and not has_tokenizer_files(args.tokenizer):
+        raise ConfigError(f"--tokenizer {args.tokenizer!r}: not a directory with tokenizer files "
+                          "(tokenizer.json / tokenizer_config.json)")
+    tokenizer_for(args.tokenizer or args.model)  # without --tokenizer: the checkpoint's, or the built-in one if it fits
     if args.system is not None and not args.chat:
         raise ConfigError("--system needs --chat (a system turn is part of the chat template)")
     for flag, value in (("--max-tokens", args.max_tokens), ("--n", args.n)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if args.seed is not None and args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                                 max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)
     except ValueError as exc:
         raise ConfigError(f"{exc} (check --temperature / --top-p / --seed / --stop)") from None
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         messages.append({"role": "user", "content": args.prompt})
@@ -183,6 +196,33 @@ def _train_config(args):
     return cfg
 
 
+def _cmd_config(args) -> int:
+    """`rlengine config show`: the job's every field with value, default and doc (rlengine.rl.config.show)."""
+    from importlib import resources
+
+    from rlengine.rl.config import load_config
+    from rlengine.rl.config.show import field_rows, format_rows
+
+    cfg = load_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml"),
+                      args.overrides)
+    print("\n".join(format_rows(field_rows(cfg))))
+    print("(* = differs from the built-in defaults; override any field with --section.field VALUE)")
+    return 0
+
+
+def _cmd_plot(args) -> int:
+    """`rlengine plot RUN_DIR...` (rlengine.plots.runs), or one benchmark / tune JSON with --kind."""
+    from rlengine.config import ConfigError
+    from rlengine.plots import draw
+
+    try:
+        paths = draw(args.kind, args.paths, args.out, x=args.x, y=args.y, group=args.group)
+    except (ImportError, ValueError) as exc:  # no matplotlib; a path, record or field, named in the message
+        raise ConfigError(str(exc)) from None
+    print("\n".join(f"wrote {p}" for p in paths))
+    return 0
+
+
 def _launch(args) -> int:
     """`rlengine train --nproc K`: check the config here (one clear error, no process started), then
     start K ranks of the same command through torch's elastic launcher (what torchrun runs)."""
@@ -246,7 +286,7 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 
 
 def _cmd_tune(args) -> int:
-    """Algorithm 1 (rlengine.tune): stage 1, stage 2, choice, confirmation, report in --out."""
+    """Algorithm 1 of docs/METHOD.md (rlengine.tune): stage 1, stage 2, choice, confirmation, report in --out."""
     from importlib import resources
 
     from rlengine.config import ConfigError
@@ -301,11 +341,11 @@ def _cmd_report(args) -> int:
 def _cmd_bench(args) -> int:
     import importlib
 
-    from rlengine.benchmarks import BENCHMARKS
+    from rlengine.benchmarks import BENCHMARKS, MODULES
 
     if args.name not in BENCHMARKS:
         raise SystemExit(f"unknown benchmark {args.name!r}; choose from {', '.join(BENCHMARKS)}")
-    return importlib.import_module(f"rlengine.benchmarks.{args.name}").main(args.args)
+    return importlib.import_module(MODULES[args.name]).main(args.args) or 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="show presets, devices and whether the C++ extension is built")
     p.add_argument("--plan", default=None, metavar="CONFIG",
-                   help="print the per-device memory plan (and B_KV) of a training config instead")
+                   help="print the per-device memory plan (and B_KV) of a training config instead; dotted "
+                   "overrides apply to it (--plan gsm8k --model.name DIR)")
     p.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                    help="device memory for --plan in GiB (default: this CUDA device's, else this machine's RAM)")
     p.set_defaults(func=_cmd_info)
@@ -338,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--n", type=int, default=1, help="completions to print")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer files from DIR (default: the checkpoint's own, or the built-in one for presets)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.set_defaults(func=_cmd_generate)
 
@@ -360,6 +403,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RL updates to record (0-based; update START-1 is the profiler's warm-up)")
     p.set_defaults(func=_cmd_train)
 
+    p = sub.add_parser("config", help="show every config field of a job: value, default and what it means",
+                       description="`rlengine config show [--config X] [--section.field VALUE ...]` prints every "
+                       "field of the job's config (file plus overrides) with its value, default and one line of doc.")
+    p.add_argument("action", choices=["show"], help="what to do (show)")
+    _add_job_args(p)
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("plot", help="PNG figures of runs (J, reward, length, KL, grad norm vs N and time)",
+                       description="`rlengine plot RUN_DIR...` draws metrics_vs_N.png and metrics_vs_time.png from "
+                       "each run's metrics.jsonl, runs overlaid (needs matplotlib: the plot extra). --kind KIND FILE "
+                       "draws a benchmark JSON (decode, asymmetry, ttt, sweep, serve) or a tune report.json.")
+    p.add_argument("paths", nargs="+", metavar="RUN_DIR", help="run directories (or one JSON file with --kind)")
+    p.add_argument("-o", "--out", default=None, help="output directory for runs (default: the run directory, or "
+                   "plots/ for several runs); the PNG path for --kind")
+    from rlengine.plots import KINDS
+
+    p.add_argument("--kind", default="runs", choices=KINDS, help="what the paths are (default: runs)")
+    p.add_argument("--x", default=None, help="--kind sweep: x column")
+    p.add_argument("--y", default=None, help="--kind sweep: comma-separated y columns")
+    p.add_argument("--group", default=None, help="--kind sweep: columns that tell lines apart")
+    p.set_defaults(func=_cmd_plot)
+
     from rlengine.benchmarks import BENCHMARKS
 
     p = sub.add_parser("bench", help="run a benchmark: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()),
@@ -370,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("tune", help="Algorithm 1: find the B_train / B_gen that reach a target J soonest",
+    p = sub.add_parser("tune", help="Algorithm 1 (docs/METHOD.md): the B_train / B_gen that reach a target J soonest",
                        description="Stage 1: sample-matched curves per B_train with the sqrt LR rule (r_N at J*); "
                        "stage 2: raise B_gen until q plateaus or B_KV; choose max q / r_N; confirm against the "
                        "job on fresh seeds; write report.md, report.json, chosen.toml, runs.jsonl, figures/.")
@@ -429,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     function's traceback, the list of prompts that do not fit) are printed above it. Bugs propagate."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if getattr(args, "command", None) == "train":
+    if getattr(args, "command", None) in ("train", "config", "info"):  # dotted --section.field overrides
         args.overrides = unknown
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

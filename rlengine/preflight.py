@@ -76,6 +76,12 @@ def check_train_config(cfg) -> None:
     device = check_device(cfg.model.device, "model.device")
     model = check_model(cfg.model.name, "model.name")
     check_backend(cfg.attention_backend, device, "gen.backend")
+    if cfg.model.moe_impl == "triton":
+        from rlengine.model.moe import triton_available
+
+        if not triton_available():
+            raise ConfigError("model.moe_impl = 'triton' needs triton, which is not installed "
+                              "(pip install 'rlengine[gpu]'); use model.moe_impl = 'ref' or 'auto'")
     t = cfg.task
     task = build_task(t.name, path=t.path, eval_path=t.eval_path, reward=t.reward, num_train=t.num_train,
                       num_eval=t.num_eval, seed=t.seed)

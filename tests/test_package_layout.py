@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers, bottom to top; a module may import its own layer and the ones before it. Names are module
 # prefixes; the most specific prefix decides a module's layer.
 LAYERS = [
-    ["rlengine.config", "rlengine.types", "rlengine._ext", "rlengine.telemetry", "rlengine.analysis"],
+    ["rlengine.config", "rlengine.types", "rlengine._ext", "rlengine.telemetry", "rlengine.analysis", "rlengine.plots"],
     ["rlengine.kernels"],
     ["rlengine.model"],
     ["rlengine.engine", "rlengine.demo"],

@@ -84,7 +84,7 @@ def _bench_lines(work: str, goals: dict) -> list[str]:
         if 64 in by_b and by_b[64].get("roofline_fraction") is not None:
             f = by_b[64]["roofline_fraction"]
             goals["decode_roofline_B64"] = f
-            lines.append(f"decode B_act=64: {f:.2f} of the Eq. 5 bound (goal >= 0.70) {'OK' if f >= 0.70 else 'MISS'}")
+            lines.append(f"decode B_act=64: {f:.2f} of the Eq. 5 bound of docs/METHOD.md (goal >= 0.70) {'OK' if f >= 0.70 else 'MISS'}")
         joules = {b: r.get("decode_j_per_token") for b, r in by_b.items() if r.get("decode_j_per_token")}
         goals["nvml_decode_j_per_token"] = joules
         lines.append("NVML decode energy: " + (", ".join(f"B_act={b}: {j:.4f} J/token" for b, j in joules.items())

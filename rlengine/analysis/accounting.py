@@ -1,4 +1,4 @@
-"""Time-to-target accounting (PAPER.md decision rule and Table 1).
+"""Time-to-target accounting (docs/METHOD.md decision rule and Table 1).
 
 Each run that reached the target J* contributes (batch, N*, T). Against a reference run:
 r_N = N*/N*_ref (samples-to-target penalty), q = N*/T (end-to-end throughput), q/q_ref, and the
@@ -6,7 +6,7 @@ normalised time T/T_ref = r_N / (q/q_ref). A larger batch wins exactly when q2/q
 are the caller's (Table 1 uses thousands of responses and hours); only ratios are reported.
 Where N* and T come from: `first_crossing` reads N* off a learning curve (J linearly interpolated
 between evaluations) and `value_at` reads the wall-clock T at that N* off the same run's clock;
-`best_q_over_r` is Algorithm 1's choice rule (maximise q / r_N among feasible rows).
+`best_q_over_r` is the choice rule of docs/METHOD.md's Algorithm 1 (maximise q / r_N among feasible rows).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class TargetRow:
 
 
 def larger_batch_wins(q2_over_q1: float, r_n: float) -> bool:
-    """T2 < T1  <=>  q2/q1 > r_N (PAPER.md decision rule)."""
+    """T2 < T1  <=>  q2/q1 > r_N (docs/METHOD.md decision rule)."""
     if not q2_over_q1 > 0 or not r_n > 0:
         raise ValueError(f"larger_batch_wins: q2/q1 and r_N must be > 0, got {q2_over_q1}, {r_n}")
     return q2_over_q1 > r_n
@@ -123,7 +123,7 @@ def value_at(x: Sequence[float], y: Sequence[float], x0: float) -> float:
 
 
 def best_q_over_r(rows: Sequence[TargetRow], eligible: Sequence[str] | None = None) -> TargetRow:
-    """Algorithm 1's choice: the row maximising (q/q_ref) / r_N among `eligible` run names (all
+    """Algorithm 1's choice (docs/METHOD.md): the row maximising (q/q_ref) / r_N among `eligible` run names (all
     rows when None). With q = N*/T this is the row with the smallest T, whichever row is the
     reference; ties keep the first row."""
     pool = [r for r in rows if eligible is None or r.run.name in eligible]

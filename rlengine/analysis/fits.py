@@ -1,4 +1,4 @@
-"""Fits of the PAPER.md cost model and the critical batch sizes.
+"""Fits of the docs/METHOD.md cost model and the critical batch sizes.
 
 Generation:  t_gen(B) ~= d0 + d1*B   (ordinary least squares; d0 is the fixed cost of a boundary's
              ragged tail and prefill, d1 the marginal cost of one more response)

@@ -1,4 +1,4 @@
-"""Per-device bytes of a training run's state: the M_weights term of PAPER.md's B_KV for RL.
+"""Per-device bytes of a training run's state: the M_weights term of docs/METHOD.md's B_KV for RL.
 
 In rlengine the generator decodes from the learner's parameters, so what occupies the device
 before any KV block is the TRAINING state, not just the weights. Per parameter (bytes):

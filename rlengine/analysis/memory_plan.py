@@ -11,7 +11,7 @@
                                    device (rollout and eval: LLM(kv_pool=...))
     B_KV = floor((alpha * C_mem - M_weights - M_runtime) / m_KV(S)),  M_runtime = M_act + M_reserve
 
-which is PAPER.md's B_KV (analysis.roofline.b_kv) with S = the engine's max_model_len. The plan
+which is docs/METHOD.md's B_KV (analysis.roofline.b_kv) with S = the engine's max_model_len. The plan
 is built once per device before any engine exists (the engines are sized from it, not from the
 free memory at construction time) and refuses, naming the numbers, a budget whose pool cannot
 hold one GRPO group of G sequences at full length. Simplification: the activation estimate counts
@@ -79,7 +79,7 @@ class MemoryPlan:
     num_kv_blocks: int         # the pool: floor(kv budget / bytes_per_block)
     max_model_len: int         # S of m_KV(S)
     m_kv: int                  # kv_bytes_per_seq(S)
-    b_kv: int                  # PAPER.md's B_KV at S
+    b_kv: int                  # docs/METHOD.md's B_KV at S
     b_gen: int                 # sequences the rollout engine keeps in flight (its max_num_seqs)
     group_size: int            # G: sequences admitted together
 

@@ -1,4 +1,4 @@
-"""Decode-step roofline (PAPER.md Eq. 5) and KV-cache feasibility (B_KV) from a ModelConfig.
+"""Decode-step roofline (docs/METHOD.md Eq. 5) and KV-cache feasibility (B_KV) from a ModelConfig.
 
     t_dec(B) >= max{ (M_W(B) + B * m_u) / W_HBM,  B * f_tok / F_eff },   q_tok = B / t_dec
 
@@ -122,7 +122,7 @@ class DecodeRoofline:
 
 def decode_roofline(cfg: ModelConfig, *, b_act: int, context_len: int, bandwidth: float, flops: float,
                     weight_bytes: float = 2, kv_bytes: float = 2) -> DecodeRoofline:
-    """Eq. 5 for one step. bandwidth W_HBM in bytes/s, flops F_eff in FLOP/s (measured ceilings)."""
+    """Eq. 5 of docs/METHOD.md for one step. bandwidth W_HBM in bytes/s, flops F_eff in FLOP/s (measured ceilings)."""
     if b_act < 1 or context_len < 0:
         raise ValueError(f"decode_roofline needs b_act >= 1 and context_len >= 0, got {b_act}, {context_len}")
     if bandwidth <= 0 or flops <= 0 or weight_bytes <= 0 or kv_bytes <= 0:

@@ -1,7 +1,7 @@
-"""Benchmarks runnable as `rlengine bench NAME [args]`: each module here has main(argv) -> int.
+"""Benchmarks runnable as `rlengine bench NAME [args]`: each module has main(argv) -> int | None.
 
-The scripts in bench/ (kernel microbenchmarks) use the same harness conventions; these are
-the installed, user-facing ones.
+The engine and RL benchmarks are modules here; the kernel and host-overhead micro-benchmarks are in
+micro/ over harness.py (bench/ holds their script forms for a checkout). MODULES names each one's module.
 """
 
 BENCHMARKS = {
@@ -9,4 +9,12 @@ BENCHMARKS = {
     "serve": "requests arriving at a rate (Poisson): TTFT, TPOT, ITL, goodput (vLLM's definitions)",
     "ceilings": "this device's copy bandwidth and matmul FLOP/s (the roofline's W and F)",
     "asymmetry": "rollout collection and training time vs batch size; fits d0, d1, gamma",
+    "paged_decode": "paged decode attention kernels (torch reference, C++, Triton): ms, GB/s vs the ceiling",
+    "moe": "fused MoE forward and forward+backward against the reference loop over experts: time, TFLOP/s",
+    "logprob": "fused LM-head log-prob (+ entropy, + backward) against full [T, V] logits",
+    "packed_attention": "packed causal attention: one padded SDPA vs a per-sequence loop, forward and backward",
+    "skinny_linear": "the C++ skinny linear (B_act = 1-4 rows) against torch's linear at decode shapes (CPU)",
+    "host_overhead": "the engine's host-side work per decode step (schedule, prepare, postprocess), no forward",
 }
+MICRO = ("paged_decode", "moe", "logprob", "packed_attention", "skinny_linear", "host_overhead")
+MODULES = {name: f"rlengine.benchmarks.{'micro.' if name in MICRO else ''}{name}" for name in BENCHMARKS}

@@ -1,4 +1,4 @@
-"""`rlengine bench asymmetry`: generation vs training cost as the batch grows (PAPER.md, generation side).
+"""`rlengine bench asymmetry`: generation vs training cost as the batch grows (docs/METHOD.md, generation side).
 
 For each batch B (responses), on one model and this machine: collect B responses through the
 engine (max_num_seqs = B) and time it (t_gen); run one learner update on them (t_train).

@@ -24,7 +24,7 @@ ignored) by rlengine's LLM and by transformers' generate() on the SAME weights. 
     generated token from the NVML sampler, where NVML and a GPU are available.
   - CUDA graphs: on a GPU decode steps replay captured graphs; --enforce-eager turns them off,
     --compare-eager times an eager twin (eager_ms_per_step, graph_speedup).
-  - Roofline (PAPER.md Eq. 5): ceilings measured here (or --ceilings), bound at the mean
+  - Roofline (docs/METHOD.md Eq. 5): ceilings measured here (or --ceilings), bound at the mean
     context prompt + gen/2; fraction = measured / bound.
   - --profile DIR: after the timed repetitions, one more run of each row under torch.profiler
     for --profile-window engine steps (untimed, so the profiler's overhead stays out of rows).

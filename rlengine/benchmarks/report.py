@@ -1,4 +1,4 @@
-"""Tables and result files of the installed benchmarks (bench/harness.py re-uses the table).
+"""Tables and result files of the installed benchmarks (harness.py re-uses the table).
 
 format_table prints rows as an aligned plain-text table; write_result writes {out}/{name}.json
 with the rows, any extra fields and the provenance (telemetry/provenance.py) under

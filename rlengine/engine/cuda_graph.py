@@ -1,6 +1,6 @@
 """Decode steps replayed from CUDA graphs, one graph per padded batch-size bucket.
 
-At small B_act a decode step is mostly kernel-launch and Python overhead (PAPER.md: decode is
+At small B_act a decode step is mostly kernel-launch and Python overhead (docs/METHOD.md: decode is
 latency-bound there), so the engine captures the model forward of a decode step once per
 batch bucket and replays it. The contract of a captured step:
 

@@ -1,7 +1,7 @@
 """The paged KV cache: one [num_blocks, P, Hkv, D] K and V tensor per layer (FlashInfer NHD).
 
 All layers live in one allocation [L, 2, num_blocks, P, Hkv, D] so a copy-on-write block copy
-is a single indexed copy across every layer. Sizing from a memory budget follows PAPER.md's
+is a single indexed copy across every layer. Sizing from a memory budget follows docs/METHOD.md's
 m_KV: bytes per block = 2 * L * P * Hkv * D * element size.
 One extra block, `null_block` (the last index), is allocated beyond the block manager's
 num_blocks: padding rows of a CUDA-graph decode bucket write their K/V there, so they never

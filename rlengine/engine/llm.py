@@ -32,8 +32,9 @@ engine's cache and blocks (the trainer's eval engine), never allocating a second
 training run, size the pool with rlengine.analysis.memory_plan (num_kv_blocks=plan.num_kv_blocks):
 alone, an LLM on a GPU takes 0.8 x the free device memory, or with gpu_memory_utilization=u (vLLM's
 meaning) what is left of u x the device's total memory after everything already allocated (the weights
-included); the rest is the forward's activations and other processes. On a CPU the pool is sized by
-max_num_seqs x max_model_len (at most 2 GiB) and gpu_memory_utilization is checked but has no effect.
+included); the rest is the forward's activations and other processes. On a CPU the pool holds
+max_num_seqs sequences of max_model_len, capped at DEFAULT_CPU_KV_BYTES (256 MiB; a longer request asks for
+num_kv_blocks / kv_cache_memory), and gpu_memory_utilization is checked but has no effect.
 vLLM arguments with one possible value here: tensor_parallel_size=1 and trust_remote_code=False (the
 model code is rlengine's own, one device); others are refused with the reason.
 On a GPU, decode steps replay CUDA graphs captured per batch bucket (cuda_graph.py) unless
@@ -75,7 +76,7 @@ from rlengine.model.tokenizer import Tokenizer
 from rlengine.telemetry.nvtx import PhaseRanges
 from rlengine.telemetry.records import StepRecord
 
-DEFAULT_CPU_KV_BYTES = 2 * 2**30
+DEFAULT_CPU_KV_BYTES = 256 * 2**20  # the CPU pool's cap when nothing sizes it: RAM is shared with everything else
 PENDING = -1  # overlap: token_ids placeholder of a token still being sampled (never a real token id)
 
 
@@ -241,7 +242,9 @@ class LLM:
         if self.block_manager.blocks_for(longest) > self.block_manager.num_blocks:
             raise ValueError(f"{where}: one sample may reach {longest} tokens = "
                              f"{self.block_manager.blocks_for(longest)} KV blocks, but the cache has only "
-                             f"{self.block_manager.num_blocks}; raise num_kv_blocks / kv_cache_memory")
+                             f"{self.block_manager.num_blocks}; raise num_kv_blocks / kv_cache_memory"
+                             + (f" (a CPU pool defaults to at most {DEFAULT_CPU_KV_BYTES >> 20} MiB)"
+                                if self.device.type == "cpu" else ""))
 
     def _check_text(self, params: SamplingParams, text: str | None, where: str) -> bool:
         """Whether the request's samples get a detokenizer (see SamplingParams.detokenize)."""

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from rlengine.config import DTYPES, preset
+from rlengine.config import DTYPES, ConfigError, preset
 from rlengine.model.generation_config import generation_eos_ids, merge_ids
-from rlengine.model.loader import load_pretrained
+from rlengine.model.loader import load_config, load_pretrained
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 
@@ -44,8 +44,27 @@ def has_tokenizer_files(name: str) -> bool:
     return path.is_dir() and any((path / f).is_file() for f in files)
 
 
+# The largest vocabulary of a preset made for the built-in tokenizer (the tiny presets pad its 51 tokens to
+# 256, qwen3-30m to 4096): a checkpoint without tokenizer files and a larger vocabulary was trained with a
+# tokenizer that is missing, and the built-in one would silently produce ids it never learned.
+BUILTIN_TOKENIZER_MAX_VOCAB = 4096
+
+
 def tokenizer_for(name: str) -> Tokenizer:
     """A checkpoint directory's own tokenizer (CheckpointError if its files are broken or incomplete); the
     built-in tokenizer for presets and for directories without tokenizer files (checkpoints rlengine saved
-    from a preset)."""
-    return Tokenizer.from_pretrained(name) if has_tokenizer_files(name) else Tokenizer.builtin()
+    from a preset). Such a directory whose model has a vocabulary over BUILTIN_TOKENIZER_MAX_VOCAB is a
+    ConfigError naming both sizes (pass a tokenizer explicitly: LLM(..., tokenizer=DIR))."""
+    if has_tokenizer_files(name):
+        return Tokenizer.from_pretrained(name)
+    tok = Tokenizer.builtin()
+    if Path(str(name)).is_dir():
+        vocab = load_config(name).vocab_size
+        if vocab > BUILTIN_TOKENIZER_MAX_VOCAB:
+            raise ConfigError(
+                f"{name}: no tokenizer files (tokenizer.json / tokenizer_config.json) and the model's vocabulary is "
+                f"{vocab} tokens; the built-in tokenizer (used then) has {tok.vocab_size}, which only suits "
+                f"rlengine's small presets (vocabularies up to {BUILTIN_TOKENIZER_MAX_VOCAB}): copy the tokenizer "
+                "files of the model it was trained from into the directory, or pass one explicitly "
+                "(LLM(..., tokenizer=...), rlengine generate --tokenizer DIR)")
+    return tok

@@ -22,6 +22,15 @@ from torch import nn
 MOE_IMPLS = ("ref", "triton")
 
 
+def triton_available() -> bool:
+    """True when the Triton kernels can launch here (triton is an optional dependency: the gpu extra)."""
+    try:
+        from rlengine.kernels import _triton
+    except ImportError:
+        return False
+    return _triton.AVAILABLE
+
+
 def route(router_logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool,
           replay_ids_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax (fp32) top-k routing as in HF Qwen3-MoE -> (weights [T, K] in logits dtype, ids [T, K] int64)."""
@@ -81,6 +90,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         if impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {impl!r}")
+        if impl == "triton" and not triton_available():
+            raise ImportError("moe_impl 'triton' needs triton, which is not installed (pip install 'rlengine[gpu]'); "
+                              "use moe_impl 'ref'")
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.impl = impl

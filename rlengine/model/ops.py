@@ -156,8 +156,10 @@ CPU_OPS = FusedOps(torch.ops.rlengine.rms_norm, torch.ops.rlengine.fused_add_rms
 def triton_ops() -> FusedOps | None:
     """The Triton set (None without triton); also usable on the CPU under TRITON_INTERPRET=1 (tests)."""
     try:
-        from rlengine.kernels import fused_norm
+        from rlengine.kernels import _triton, fused_norm
     except ImportError:
+        return None
+    if not _triton.AVAILABLE:  # the kernel module imports without triton, its kernels do not launch
         return None
     return FusedOps(fused_norm.rms_norm, fused_norm.fused_add_rms_norm, fused_norm.qk_norm_rope,
                     fused_norm.silu_and_mul, F.linear)

@@ -1,6 +1,6 @@
 """Provenance of a measurement: which code, on which machine, with which engine settings.
 
-Every benchmark JSON (bench/harness.py, `rlengine bench ...`) embeds `provenance()` under
+Every benchmark JSON (rlengine/benchmarks/harness.py, `rlengine bench ...`) embeds `provenance()` under
 "conditions", so a number in docs/RESULTS.md can be traced to a commit, whether the tree had
 uncommitted edits (and a hash of them), the device, the library versions and, for engine
 benchmarks, the attention backend and CUDA-graph state the engine actually ran with (not the

@@ -3,7 +3,7 @@
 The engine appends one `StepRecord` per step (prefill or decode) to its trace. At each RL
 boundary (one rollout collection plus one optimizer update) the trainer hands that trace,
 the response count and the measured stage times to `build_boundary_record`, which returns the
-quantities of PAPER.md's generation side: q_gen = responses / t_gen, q = responses /
+quantities of docs/METHOD.md's generation side: q_gen = responses / t_gen, q = responses /
 (t_gen + t_train), and the distribution of B_act over decode steps, weighted by step time
 (a step that takes twice as long counts twice: the question is what the GPU spent its time on).
 

@@ -1,4 +1,4 @@
-"""Two-stage batch tuning (PAPER.md Algorithm 1) as Python functions and `rlengine tune` / `rlengine report`.
+"""Two-stage batch tuning (docs/METHOD.md Algorithm 1) as Python functions and `rlengine tune` / `rlengine report`.
 
     spec = TuneSpec(job=load_config(path).to_dict(), target_j=0.6, b_train=(64, 128, 256, 512))
     result = tune(spec, "runs/tune")                 # stage 1, stage 2, choice, confirmation, report

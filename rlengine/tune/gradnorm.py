@@ -1,4 +1,4 @@
-"""Gradient-norm proxy (PAPER.md): actor grad norm ~ B^-1/2 while gradient noise dominates.
+"""Gradient-norm proxy (docs/METHOD.md): actor grad norm ~ B^-1/2 while gradient noise dominates.
 
 Each stage-1 run contributes its mean actor grad norm (before clipping) over a common N window,
 so every batch size is averaged over the same stretch of training. The log-log slope against

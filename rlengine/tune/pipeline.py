@@ -1,4 +1,5 @@
-"""Algorithm 1 end to end (`rlengine tune`) and the same accounting over existing runs (`rlengine report`).
+"""Algorithm 1 of docs/METHOD.md end to end (`rlengine tune`) and the same accounting over existing runs
+(`rlengine report`).
 
 tune(spec, out_dir): stage 1 -> stage 2 -> Table 1 rows -> choice (max q / r_N among rows every seed
 of which reached J*) -> confirmation: the chosen configuration against the job's own on FRESH seeds
@@ -81,7 +82,7 @@ def _with(plan: RunPlan, overrides: tuple) -> RunPlan:
 
 def tune(spec: TuneSpec, out_dir: str | Path, *, runner: Runner | None = None, resume: bool = False,
          log: Callable[[str], None] = print) -> TuneResult:
-    """Run Algorithm 1 for `spec`, writing every run under out_dir/runs and the report in out_dir."""
+    """Run Algorithm 1 (docs/METHOD.md) for `spec`, writing every run under out_dir/runs and the report in out_dir."""
     from rlengine.tune.report import write_report
 
     t0 = time.perf_counter()

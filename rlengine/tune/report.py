@@ -2,17 +2,16 @@
 
     report.md     Table 1 (B_train, eta, K*, N*, T, r_N, q/q_ref, T/T_ref, wins), the B_gen sweeps,
                   the re-check, the confirmation against the job, the grad-norm slope, the notes
-    report.json   every dataclass of the result (dataclasses.asdict), the input of tools/tune_plots.py
+    report.json   every dataclass of the result (dataclasses.asdict), the input of rlengine.plots.tune
     chosen.toml   the chosen configuration as a ready-to-run job (`rlengine train --config chosen.toml`)
     runs.jsonl    one line per run directory under OUT/runs: its plan and every metric record
-    figures/      J vs N, J vs wall-clock, q vs B_gen (tools/tune_plots.py; skipped, with the reason
-                  in report.md, when matplotlib or the script is not available)
+    figures/      J vs N, J vs wall-clock, q vs B_gen (rlengine.plots.tune; skipped, with the reason
+                  in report.md, when matplotlib is not installed)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import tomllib
@@ -120,16 +119,16 @@ def _grad_lines(cands: Sequence[CandidateStats], window: float) -> str:
 
 
 def draw_figures(report_json: Path, fig_dir: Path) -> str:
-    """Draw the figures with tools/tune_plots.py next to this package; returns what happened."""
-    script = Path(__file__).resolve().parents[2] / "tools" / "tune_plots.py"
-    if not script.is_file():
-        return f"figures not drawn: {script} not found (an installed package has no tools/)"
-    if importlib.util.find_spec("matplotlib") is None:
-        return f"figures not drawn: matplotlib is not installed (then: python {script} {report_json})"
-    spec = importlib.util.spec_from_file_location("rlengine_tools_tune_plots", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    paths = mod.draw_all(json.loads(report_json.read_text()), fig_dir)
+    """Draw the figures with rlengine.plots.tune; returns what happened."""
+    from rlengine.plots import require_matplotlib
+
+    try:
+        require_matplotlib()
+    except ImportError as exc:
+        return f"figures not drawn: {exc} (then: python -m rlengine.plots.tune {report_json})"
+    from rlengine.plots.tune import draw_all
+
+    paths = draw_all(json.loads(report_json.read_text()), fig_dir)
     return "figures: " + ", ".join(str(p) for p in paths)
 
 

@@ -1,4 +1,4 @@
-"""Stage 1 of Algorithm 1: sample-matched learning curves across B_train with the sqrt LR rule.
+"""Stage 1 of Algorithm 1 (docs/METHOD.md): sample-matched learning curves across B_train with the sqrt LR rule.
 
 Every candidate B_train runs with eta = eta0 * sqrt(B_train / B0) from the job's reference
 (B0 = the job's B_train, eta0 = its effective LR unless given), generation coupled (B_gen =

@@ -1,4 +1,4 @@
-"""Stage 2 of Algorithm 1: raise B_gen (decode concurrency, async partial rollouts) per candidate.
+"""Stage 2 of Algorithm 1 (docs/METHOD.md): raise B_gen (decode concurrency, async partial rollouts) per candidate.
 
 For each B_train that reached J* on every seed, B_gen climbs a ladder (1, 2, 4, 8 x B_train by
 default) until the end-to-end throughput q = responses / (t_gen + t_train) stops rising by more
@@ -26,12 +26,13 @@ from rlengine.tune.types import (CandidateStats, EngineFacts, GenPoint, GenSweep
                                  Stage2Result, TuneSpec)
 
 Runner = Callable[[RunPlan], "RunCurve | None"]
+# B_KV of a CPU job without --kv-bytes: the trainer sizes its CPU pool for B_gen full-length sequences
+# (no device limit), so tune assumes this much host memory for KV
+CPU_KV_BYTES = 2 * 2**30
 
 
 def kv_limit(facts: EngineFacts, kv_bytes: int = 0) -> tuple[int, str, int]:
     """(B_KV in sequences, where it comes from, gen.num_kv_blocks to set or 0) for the engine `facts`."""
-    from rlengine.engine.llm import DEFAULT_CPU_KV_BYTES
-
     per_seq = math.ceil(facts.max_model_len / facts.block_size)
     if kv_bytes:
         blocks = kv_bytes // facts.block_bytes
@@ -43,8 +44,8 @@ def kv_limit(facts: EngineFacts, kv_bytes: int = 0) -> tuple[int, str, int]:
     if facts.device == "cuda":  # the pool was sized from free device memory: its size is the capacity
         return (facts.num_kv_blocks // per_seq,
                 f"engine KV pool: {facts.num_kv_blocks} blocks, {per_seq} per sequence", 0)
-    blocks = DEFAULT_CPU_KV_BYTES // facts.block_bytes
-    return blocks // per_seq, f"engine CPU KV cap {DEFAULT_CPU_KV_BYTES} B: {blocks} blocks, {per_seq} per sequence", 0
+    blocks = CPU_KV_BYTES // facts.block_bytes
+    return blocks // per_seq, f"CPU KV budget {CPU_KV_BYTES} B: {blocks} blocks, {per_seq} per sequence", 0
 
 
 def window_point(curve: RunCurve, b_gen: int, skip: int, updates: int) -> GenPoint:

@@ -1,4 +1,5 @@
-"""Table 1 from seed-replicated configurations, and Algorithm 1's choice among its rows.
+"""Table 1 from seed-replicated configurations, and Algorithm 1's choice among its rows
+(docs/METHOD.md).
 
 Each configuration's N*, T and K* are means over the seeds that reached J*; the arithmetic
 (r_N, q/q_ref, T/T_ref, wins) is rlengine.analysis.accounting.time_to_target on those means, so

@@ -1,4 +1,4 @@
-"""Typed inputs and outputs of `rlengine tune` (PAPER.md Algorithm 1), stage by stage.
+"""Typed inputs and outputs of `rlengine tune` (docs/METHOD.md Algorithm 1), stage by stage.
 
     TuneSpec -> stage 1: RunPlan per (B_train, seed) -> RunCurve -> CandidateStats -> Stage1Result
              -> stage 2: GenSweep per surviving B_train (GenPoint per B_gen), re-check CandidateStats

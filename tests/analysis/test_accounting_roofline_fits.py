@@ -1,4 +1,4 @@
-"""Analysis layer against hand calculations and the paper's published numbers (PAPER.md).
+"""Analysis layer against hand calculations and the paper's published numbers (docs/METHOD.md).
 
 Table 1 is reproduced from its (P, N*, T) inputs; the PPO 39 s / 68 s measurement gives the
 2.29x throughput ratio; the decode roofline of the qwen3-0.6b shape is checked against a count
@@ -18,7 +18,7 @@ from rlengine.analysis.roofline import (b_kv, decode_roofline, expected_distinct
                                         param_counts, weight_bytes_per_step)
 from rlengine.config import preset
 
-# ---- PAPER.md Table 1 -------------------------------------------------------------------
+# ---- docs/METHOD.md Table 1 -------------------------------------------------------------------
 # (label, P, K*, N* in thousands of responses, T hours, r_N, q/q_128, T/T_128); G = 8.
 TABLE1 = [
     ("64", 64, 200, 102.40, 13.56, 0.83, 0.73, 1.14),

@@ -1,6 +1,6 @@
 """The per-device memory plan (analysis/memory_plan.py) on a byte budget, on the CPU.
 
-The plan's parts must add up to the budget and its B_KV must be PAPER.md's formula on the same
+The plan's parts must add up to the budget and its B_KV must be docs/METHOD.md's formula on the same
 numbers. Then the engine built from a plan: a GRPO-shaped job (P prompts x G samples) whose budget
 the plan says fits B_gen at full length runs without a single preemption; a budget that fits one
 group but not B_gen still completes, recomputing fewer tokens than it generates (the plan says

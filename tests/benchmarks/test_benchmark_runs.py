@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from rlengine.benchmarks import asymmetry, decode
+from rlengine.benchmarks import MODULES, asymmetry, decode
 
 
 def test_asymmetry_bench_runs_and_fits(tmp_path, capsys, monkeypatch):
@@ -88,3 +88,18 @@ def test_hf_static_compile_agrees_with_eager_on_ragged_prompts(tmp_path):
     assert [o.outputs[0].token_ids for o in outs] == tokens    # left padding leaves HF's greedy tokens unchanged
     with pytest.raises(ValueError, match="mode"):
         HFProvider(hf, "compiled")
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_benchmark_is_reachable_from_the_package(name, capsys):
+    """`rlengine bench NAME --help` for every benchmark, the kernel micro-benchmarks included: each is a
+    module inside the installed package (bench/ holds only their script forms)."""
+    import importlib
+
+    from rlengine.cli import main
+
+    module = importlib.import_module(MODULES[name])
+    assert module.__name__.startswith("rlengine.benchmarks.") and callable(module.main)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", name, "--help"])
+    assert exc.value.code == 0 and "usage:" in capsys.readouterr().out

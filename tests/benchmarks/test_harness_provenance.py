@@ -1,4 +1,4 @@
-"""bench/harness.py and the provenance every benchmark JSON records, on the CPU.
+"""rlengine/benchmarks/harness.py (also `bench.harness`) and the provenance every benchmark JSON records, on the CPU.
 
 The GPU timing loop (events + L2 flush, one sync) runs here with a perf_counter stand-in for
 torch.cuda.Event; the real events, the flush buffer and CUDA-graph timing need a GPU

@@ -34,8 +34,19 @@ def _checkpoint(path: Path, *, config: bool = True) -> str:
     return str(path)
 
 
-def _files(tmp: Path) -> dict[str, str]:
-    """The bad inputs the cases name, written fresh for each case."""
+def _big_vocab_checkpoint(path: Path) -> str:
+    """A checkpoint (tiny architecture, a 8192-token vocabulary) with weights but no tokenizer files."""
+    import dataclasses
+
+    from rlengine.model import save_pretrained
+    from rlengine.model.qwen3 import Qwen3ForCausalLM
+
+    save_pretrained(Qwen3ForCausalLM(dataclasses.replace(preset("tiny"), vocab_size=8192)), path)
+    return str(path)
+
+
+def _files(tmp: Path, argv: list[str]) -> dict[str, str]:
+    """The bad inputs the cases name, written fresh for each case (a checkpoint only for the case using it)."""
     (tmp / "bad.toml").write_text("[train]\nlr = = 3\n")
     (tmp / "table.toml").write_text("train = 3\n")
     (tmp / "latin1.toml").write_bytes(b"[run]\nout_dir = '\xe9'\n")
@@ -50,6 +61,11 @@ def _files(tmp: Path) -> dict[str, str]:
         "int_answer": _jsonl(tmp / "int_answer.jsonl", json.dumps({"prompt": "2+2=", "answer": 4})),
         "list_row": _jsonl(tmp / "list_row.jsonl", json.dumps(["2+2=", "4"])),
         "long_prompt": _jsonl(tmp / "long_prompt.jsonl", json.dumps({"prompt": "9" * 2000 + "=", "answer": "1"})),
+        # twelve long prompts on lines 2-13: the split shuffles them, the error names line 2 first
+        "long_prompts": _jsonl(tmp / "long_prompts.jsonl",
+                               *[json.dumps({"prompt": "9" * 2000 + "=", "answer": "1"})] * 12),
+        "big_vocab": (_big_vocab_checkpoint(tmp / "big_vocab") if any("{big_vocab}" in a for a in argv)
+                      else ""),
         "no_config": _checkpoint(tmp / "no_config", config=False),
         "no_weights": _checkpoint(tmp / "no_weights"),
         "missing": str(tmp / "missing_dir"),
@@ -83,6 +99,8 @@ CASES = [
     ("negative-updates", ["train", "--train.updates", "-1"], "train.updates"),
     ("zero-max-tokens", ["train", "--gen.max_tokens", "0"], "gen.max_tokens"),
     ("b-train-not-multiple-of-g", ["train", "--train.b_train", "12"], "train.b_train"),
+    ("b-train-negative", ["train", "--train.b_train", "-128"], "train.b_train"),
+    ("b-gen-below-b-train", ["train", "--gen.b_gen", "64"], "gen.b_gen"),
     ("too-many-additions", ["train", "--task.name", "addition", "--task.num_train", "20000"], "task.num_train"),
     ("nproc-zero", ["train", "--nproc", "0"], "--nproc"),
     ("nproc-checks-config-first", ["train", "--nproc", "2", "--train.lr", "abc"], "train.lr"),
@@ -100,6 +118,8 @@ CASES = [
     ("jsonl-int-answer", ["train", *JSONL, "{int_answer}"], "int_answer.jsonl:2"),
     ("jsonl-row-not-object", ["train", *JSONL, "{list_row}"], "list_row.jsonl:2"),
     ("jsonl-prompt-too-long", ["train", *JSONL, "{long_prompt}"], "long_prompt.jsonl:2"),
+    ("jsonl-prompts-too-long-file-order", ["train", *JSONL, "{long_prompts}"], "long_prompts.jsonl:2: prompt"),
+    ("checkpoint-vocab-beyond-builtin-tokenizer", ["train", "--model.name", "{big_vocab}"], "8192"),
     ("checkpoint-missing-dir", ["train", "--model.name", "{missing}"], "missing_dir"),
     ("checkpoint-no-config-json", ["train", "--model.name", "{no_config}"], "config.json"),
     ("checkpoint-no-safetensors", ["train", "--model.name", "{no_weights}", "--run.out_dir", "{out}"], "no_weights"),
@@ -133,10 +153,17 @@ CASES = [
     ("generate-system-without-chat", ["generate", "--prompt", "hi", "--system", "be brief"], "--system"),
     ("generate-negative-temperature", ["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
     ("generate-no-prompt", ["generate"], "--prompt"),
+    ("generate-negative-seed", ["generate", "--prompt", "hi", "--seed", "-1"], "--seed"),
+    ("generate-tokenizer-not-a-tokenizer-dir", ["generate", "--prompt", "hi", "--tokenizer", "{missing}"],
+     "--tokenizer"),
+    ("generate-vocab-beyond-builtin-tokenizer", ["generate", "--model", "{big_vocab}", "--prompt", "hi"], "8192"),
     # info, demo, tune, report
     ("info-plan-missing", ["info", "--plan", "missing.toml"], "missing.toml"),
     ("info-plan-malformed", ["info", "--plan", "{bad_toml}"], "bad.toml"),
     ("info-device-memory", ["info", "--plan", "{bad_toml}", "--device-memory", "-1"], "--device-memory"),
+    ("info-plan-needs-model-name", ["info", "--plan", "gsm8k"], "model.name"),
+    ("info-plan-model-not-a-checkpoint", ["info", "--plan", "gsm8k", "--model.name", "{no_config}"], "config.json"),
+    ("info-override-without-plan", ["info", "--model.name", "{no_config}"], "--plan"),
     ("demo-unknown-preset", ["demo", "--model", "qwen9-1t"], "qwen9-1t"),
     ("demo-missing-checkpoint", ["demo", "--model", "{missing}"], "missing_dir"),
     ("demo-checkpoint-no-config", ["demo", "--model", "{no_config}"], "config.json"),
@@ -193,7 +220,7 @@ def test_user_error_is_one_line_exit_2_no_traceback(argv, named, tmp_path, capsy
     if request.node.callspec.id in CUDA_CASES and torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
     monkeypatch.chdir(tmp_path)          # a default run directory lands in tmp_path, never the repo
-    files = _files(tmp_path)
+    files = _files(tmp_path, argv)
     code = _run([a.format(**files) for a in argv])
     err = capsys.readouterr().err
     assert code == 2, err

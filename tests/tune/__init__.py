@@ -1,1 +1,1 @@
-"""Tests of rlengine/tune (rlengine tune, PAPER.md Algorithm 1)."""
+"""Tests of rlengine/tune (rlengine tune, docs/METHOD.md Algorithm 1)."""

@@ -172,6 +172,8 @@ class TrainSection:
                f"train.parallel must be auto|none|ddp|fsdp, got {self.parallel!r}")
         _check(self.master_weights in ("auto", "fp32", "none"),
                f"train.master_weights must be auto|fp32|none, got {self.master_weights!r}")
+        _check(self.b_train >= 0, f"train.b_train must be >= 1 responses per update (or 0: P x G from "
+                                  f"train.prompts_per_step), got {self.b_train}")
         if self.b_train:
             _check(self.b_train % self.group_size == 0,
                    f"train.b_train ({self.b_train}) must be divisible by train.group_size G ({self.group_size})")
@@ -250,7 +252,8 @@ class EvalSection:
 
 @dataclass(slots=True, kw_only=True)
 class RunSection:
-    out_dir: str = "runs/default"
+    name: str = ""                       # the run's label (plots, reports); "" = out_dir's last part
+    out_dir: str = "runs/default"        # with name set and out_dir left at its default: runs/<name>
     seed: int = 0
     checkpoint_every: int = 0            # updates; 0 = only at the end
     progress: bool = True
@@ -261,6 +264,10 @@ class RunSection:
     dist_timeout_s: float = 300.0        # a collective that waits longer than this fails the job (several ranks)
 
     def __post_init__(self):
+        _check("/" not in self.name and self.name not in (".", ".."),
+               f"run.name must be a plain name (no '/'), got {self.name!r}")
+        if self.name and self.out_dir == "runs/default":
+            self.out_dir = f"runs/{self.name}"
         _check(self.samples_every >= 0, f"run.samples_every must be >= 0, got {self.samples_every}")
         _check(self.dist_timeout_s > 0, f"run.dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
         _check(self.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0 keeps all), got {self.keep_checkpoints}")
@@ -285,6 +292,10 @@ class TrainConfig:
         b_gen = self.gen.b_gen or self.train.b_train
         _check(b_gen >= self.train.group_size,
                f"gen.b_gen ({b_gen}) must hold at least one group of G={self.train.group_size} responses")
+        _check(b_gen >= self.train.b_train,
+               f"gen.b_gen ({b_gen}) must be >= train.b_train ({self.train.b_train}): B_gen counts the responses in "
+               "flight, at least one update's worth (0 = B_train, coupled; larger = async partial rollouts); the KV "
+               "pool (gen.num_kv_blocks) is what bounds how many decode at once")
         self.gen.b_gen = b_gen
         t = self.train
         if t.overlong == "soft":

@@ -67,18 +67,28 @@ class Task:
                       limit: str = "max_prompt_tokens") -> None:
         """Raise DatasetError naming every problem (train and eval) whose prompt encodes to no
         tokens or to more than max_prompt_tokens; `limit` says where the bound comes from."""
-        bad = []
+        found = []
         for split, problems in (("train", self.train), ("eval", self.eval)):
             for i, problem in enumerate(problems):
                 n = len(encode(problem.prompt))
                 if n == 0 or n > max_prompt_tokens:
                     where = problem.source or f"{self.name} {split}[{i}]"
-                    bad.append(f"{where}: prompt encodes to no tokens" if n == 0 else
-                               f"{where}: prompt is {n} tokens, more than the {max_prompt_tokens} allowed ({limit})")
+                    found.append((_file_order(problem.source, split, i),
+                                  f"{where}: prompt encodes to no tokens" if n == 0 else
+                                  f"{where}: prompt is {n} tokens, more than the {max_prompt_tokens} allowed ({limit})"))
+        bad = [msg for _, msg in sorted(found)]  # in file order: the split shuffled the rows
         if bad:
             more = f"\n(and {len(bad) - 5} more)" if len(bad) > 5 else ""
             raise DatasetError(f"{len(bad)} prompt(s) do not fit the model, first {bad[0]}:\n" + "\n".join(bad[:5])
                                + more)
+
+
+def _file_order(source: str, split: str, index: int) -> tuple:
+    """Sort key of a problem: (path, line) for a JSONL row ("path:line"), after them (split, index)."""
+    path, _, line = source.rpartition(":")
+    if path and line.isdigit():
+        return (0, path, int(line), "", 0)
+    return (1, "", 0, split, index)
 
 
 def _random_prompt_digit(problem: Problem, rng: random.Random) -> str:

@@ -19,6 +19,7 @@ import torch
 from rlengine.config import ConfigError
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.factory import build_model, default_device, tokenizer_for
+from rlengine.model.moe import triton_available
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.config import TrainConfig
@@ -61,7 +62,9 @@ def build_model_and_tokenizer(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCau
     device = cfg.model.device if cfg.model.device != "auto" else str(default_device())
     if device == "cuda" and dist.enabled:
         device = f"cuda:{dist.local_rank}"  # one device per rank
-    moe_impl = cfg.model.moe_impl if cfg.model.moe_impl != "auto" else ("triton" if device == "cuda" else "ref")
+    moe_impl = cfg.model.moe_impl
+    if moe_impl == "auto":  # the Triton kernels where they can run, else the torch loop
+        moe_impl = "triton" if device.startswith("cuda") and triton_available() else "ref"
     model = build_model(cfg.model.name, dtype=cfg.model.dtype, device=device, moe_impl=moe_impl, seed=cfg.run.seed)
     tok = tokenizer_for(cfg.model.name)
     if tok.eos_token_id is None:

@@ -1,0 +1,102 @@
+"""One line of documentation per config field, `section.field` -> what it means and its units.
+
+`rlengine config show` prints these next to each value and default; tests/rl/test_config_docs.py
+checks that every field of every section (sections.py) has an entry and that no entry names a field
+that does not exist. Kept in a table beside the dataclasses, not in field metadata, so the section
+classes stay readable as plain declarations. Symbols (B_train, B_gen, N, J, ...) are those of
+docs/METHOD.md.
+"""
+
+FIELD_DOCS: dict[str, str] = {
+    # [model]
+    "model.name": "preset name (tiny, qwen3-0.6b, ...; see `rlengine info`) or a Hugging Face checkpoint directory",
+    "model.dtype": "weights and compute dtype: float32 | bfloat16 | float16 | float64 (tests)",
+    "model.device": "cpu | cuda | cuda:N; auto = cuda if available, else cpu",
+    "model.moe_impl": "MoE expert kernels: ref (torch loop) | triton | auto (triton on a GPU with triton)",
+    # [task]
+    "task.name": "built-in task (first-digit, copy-digits, ...) or jsonl for a data file",
+    "task.path": "training JSONL file for name = jsonl ({prompt, answer} or GSM8K rows; rlengine:PATH = packaged)",
+    "task.eval_path": "held-out JSONL file; empty = a split of task.path",
+    "task.reward": "reward: exact | math | format | plugin 'pkg.module:fn'; empty = the task's own",
+    "task.num_train": "training prompts drawn from a built-in task",
+    "task.num_eval": "held-out prompts of a built-in task",
+    "task.seed": "seed of the built-in task's prompts and of the train / eval split",
+    "task.max_reward_error_frac": "rewards that raise score 0 up to this fraction of a batch; above it the run stops",
+    "task.reward_workers": "0 = score in this process; N > 0 = a pool of N spawned worker processes",
+    "task.reward_timeout": "seconds per reward call in the pool; past it the call scores 0 and its worker is replaced",
+    "task.chat_template": "wrap each prompt as a chat message through the tokenizer's chat template",
+    "task.system_prompt": "system message with chat_template; empty = none",
+    # [gen]
+    "gen.b_gen": "B_gen: responses in flight, >= B_train; 0 = B_train (coupled), larger = async partial rollouts",
+    "gen.temperature": "sampling temperature of rollouts (> 0)",
+    "gen.top_p": "nucleus sampling: keep the smallest set of tokens with probability >= top_p; 1 = off",
+    "gen.top_k": "keep the k most likely tokens; -1 = off",
+    "gen.max_tokens": "response length cap in tokens (longer responses are cut: over-long)",
+    "gen.block_size": "tokens per KV-cache block (page)",
+    "gen.num_kv_blocks": "KV-cache blocks; 0 = sized from the memory plan (what weights, optimizer and activations leave)",
+    "gen.backend": "attention backend for decode: auto | torch | cpp | triton | flashinfer",
+    "gen.max_lag": "async rollouts: abort responses older than this many updates (policy lag)",
+    "gen.record_routing": "MoE: record the experts chosen in generation and replay them in the learner",
+    "gen.enforce_eager": "GPU: no CUDA graphs for decode steps",
+    "gen.logprobs_mode": "behaviour log-probs: processed (the filtered distribution sampled from) | raw (full vocabulary)",
+    # [train]
+    "train.algo": "grpo | ppo",
+    "train.group_size": "G, responses per prompt; 0 = 8 for GRPO, 1 for PPO",
+    "train.prompts_per_step": "P, prompts per optimizer update (B_train = P x G)",
+    "train.b_train": "B_train = P x G retained responses per update; when set, P = b_train / G (0 = from P)",
+    "train.updates": "optimizer updates in the run",
+    "train.lr": "eta0, the learning rate at the reference batch b0",
+    "train.b0": "B0, reference batch of the LR rule; 0 = this run's B_train",
+    "train.lr_rule": "LR rule eta = eta0 (B_train / B0)^p: sqrt (p = 1/2) | linear (1) | none (0)",
+    "train.weight_decay": "AdamW weight decay",
+    "train.master_weights": "fp32 master weights: auto (when the model is not fp32) | fp32 | none",
+    "train.parallel": "several ranks: none | ddp | fsdp; auto = ddp when the world size is > 1",
+    "train.betas": "AdamW (beta1, beta2)",
+    "train.micro_batch": "sequences per micro-batch (gradients accumulate); 0 = the whole batch at once",
+    "train.max_grad_norm": "clip the global gradient norm of actor (and critic) to this before each step",
+    "train.skip_zero_grad": "skip the optimizer step when the policy gradient is exactly 0 (no signal)",
+    "train.clip_low": "PPO ratio clip: lower epsilon (ratio >= 1 - clip_low)",
+    "train.clip_high": "PPO ratio clip: upper epsilon (ratio <= 1 + clip_high; clip-higher)",
+    "train.agg": "loss aggregation: token-mean (over all tokens of the batch) | seq-mean",
+    "train.credit": "GRPO credit: sequence (one advantage per response) | token (per-token group advantage)",
+    "train.normalize_std": "GRPO: divide group-relative advantages by the group's reward std",
+    "train.kl_coef": "k3 KL penalty to a frozen reference policy; 0 = no reference model",
+    "train.entropy_coef": "entropy bonus coefficient",
+    "train.dynamic_sampling": "GRPO: drop all-pass / all-fail groups and sample more prompts",
+    "train.priority_sampling": "sample prompts by estimated pass rate near 0.5",
+    "train.critic_lr_mult": "PPO: critic learning rate = this x the actor's",
+    "train.critic_warmup": "PPO: critic-only updates first (their responses are not counted in N)",
+    "train.overlong": "over-long responses: none | mask (zero loss weight) | soft (DAPO's length penalty)",
+    "train.overlong_buffer": "soft: penalty ramp over the last this many tokens; 0 = gen.max_tokens // 4",
+    "train.lr_schedule": "on top of the LR rule: constant | linear | cosine, after warmup_updates",
+    "train.warmup_updates": "updates of linear LR warm-up",
+    "train.min_lr_ratio": "linear / cosine decay ends at min_lr_ratio x lr at the last update",
+    "train.gamma": "PPO: GAE discount",
+    "train.lam": "PPO: GAE lambda",
+    "train.vf_clip": "PPO: value-function clip range",
+    "train.vf_coef": "PPO: value-loss coefficient",
+    # [warmstart]
+    "warmstart.steps": "supervised format warm-start steps before RL (teaches the answer format); 0 = none",
+    "warmstart.lr": "learning rate of the warm start",
+    "warmstart.batch": "sequences per warm-start step",
+    # [eval]
+    "eval.every": "updates between evaluations (also at update 0 and at the end)",
+    "eval.every_responses": "if > 0: evaluate each time N crosses a multiple of this instead",
+    "eval.k": "samples per prompt: J is mean@k",
+    "eval.temperature": "evaluation sampling temperature; 0 = greedy",
+    "eval.sets": "named eval sets {name = 'path.jsonl'}; empty = the task's held-out split ('heldout')",
+    "eval.primary": "the set whose mean@k is J; empty = the first",
+    "eval.pass_threshold": "pass@k: a sample counts as correct when its reward >= this",
+    # [run]
+    "run.name": "the run's label in plots and reports; empty = out_dir's last part",
+    "run.out_dir": "run directory (metrics.jsonl, config.json, checkpoints); a taken one gets -1, -2, ...; "
+                   "runs/<name> when run.name is set",
+    "run.seed": "seed of the model init, sampling and prompt order",
+    "run.checkpoint_every": "updates between checkpoints; 0 = only at the end",
+    "run.progress": "show a progress bar over the updates",
+    "run.samples_every": "every k updates append the batch's responses to samples.jsonl; 0 = never",
+    "run.tensorboard": "also write TensorBoard event files in out_dir",
+    "run.overwrite": "a new run may replace the run already in out_dir",
+    "run.keep_checkpoints": "keep the newest K checkpoints; 0 = all",
+    "run.dist_timeout_s": "seconds a collective may wait before the job fails (several ranks)",
+}
