@@ -3,7 +3,7 @@
 One process, one model: the engine (LLM) decodes with the learner's parameters, and an
 optimizer step is visible at the next decode step with no copy. The job's parts are built by
 parts.py; each update boundary appends one record (record.py, verl_metrics.py) to
-RUN_DIR/metrics.jsonl (run_outputs.py also writes samples.jsonl and TensorBoard files) and
+RUN_DIR/metrics.jsonl (run_outputs.py also writes samples.jsonl, TensorBoard files and wandb) and
 one line to the console (progress.py, which also reports the set-up phases). Evaluation
 (rollout/evaluation.py) uses a second LLM over the SAME module, so in-flight partial rollouts of
 the training engine are never disturbed. Rewards run through one reward runner per job
@@ -86,7 +86,8 @@ class Trainer:
             self.parts = p = build_parts(cfg, self.dist)
         self.model, self.tok, self.task, self.llm, self.eval_llm = p.model, p.tok, p.task, p.llm, p.eval_llm
         self.sampler, self.rewards, self.collector, self.memory_plan = p.sampler, p.rewards, p.collector, p.memory_plan
-        self.outputs = RunOutputs(self.run_dir, tensorboard=cfg.run.tensorboard, write=self.dist.is_main)
+        self.outputs = RunOutputs(self.run_dir, tensorboard=cfg.run.tensorboard, write=self.dist.is_main,
+                                  wandb=cfg.to_dict() if cfg.run.wandb else None, wandb_project=cfg.run.wandb_project)
         self.update, self.N, self.history, self._saved = 0, 0, [], -1  # _saved: update last checkpointed
         self.telemetry = NvmlSampler.for_device(self.model.device)  # the GPU this rank uses, if any
         self.timer = PhaseTimer(self.model.device)  # t_gen / t_train; syncs only at phase ends
