@@ -37,6 +37,8 @@ def update_line(record: dict, *, total: int, last_j: float | None, filtering: bo
 
 
 class RunConsole:
+    """A run's console output: status() around each set-up phase, updates() around the loop, advance() per update."""
+
     def __init__(self, *, enabled: bool, filtering: bool = False, console: Console | None = None,
                  stream: TextIO | None = None):
         """filtering: dynamic sampling is on (show the filter's state). console: where the live line
