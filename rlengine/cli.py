@@ -71,6 +71,11 @@ def _cmd_info(args) -> int:
     print(f"  auto picks the first available of {' > '.join(AUTO_ORDER[device.type])} (flashinfer: opt-in)")
     graphs = "on by default (enforce_eager=True turns them off)" if device.type == "cuda" else "off (no CUDA device)"
     print(f"decode CUDA graphs: {graphs}")
+    from rlengine.telemetry.nvml import NvmlSampler
+
+    nvml = NvmlSampler.for_device(device)  # a training run prints this only when it asked for a GPU
+    print(f"GPU telemetry: NVML device(s) {nvml.devices}" if nvml.available else nvml.reason)
+    nvml.close()
     print("presets:")
     for name in PRESETS:
         cfg = preset(name)

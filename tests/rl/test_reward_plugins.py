@@ -26,6 +26,8 @@ from rlengine.rl.data.rewards import RewardCall, RewardError, resolve_reward
 from rlengine.rl.data.scoring import RewardScorer
 from rlengine.rl.trainer import Trainer
 
+from tests.support.short_runs import without_timings
+
 PLUGIN = textwrap.dedent('''
     import os
     import time
@@ -213,7 +215,6 @@ def test_pool_needs_an_importable_reward():
 
 SMALL = ["--warmstart.steps", "5", "--train.updates", "3", "--train.prompts_per_step", "4", "--train.group_size",
          "4", "--eval.every", "2", "--task.num_eval", "8", "--task.num_train", "50", "--run.progress", "false"]
-TIMING = {"t_gen", "t_train", "q_gen", "q", "b_act_mean", "b_act_p50", "b_act_p90", "b_act_frac_time_below"}
 
 
 @pytest.mark.parametrize("mode", [[], ["--gen.b_gen", "48", "--gen.max_lag", "2", "--gen.max_tokens", "6"]],
@@ -224,7 +225,7 @@ def test_workers_0_and_2_train_identically(plugin, tmp_path, mode):
         cfg = load_config("grpo", SMALL + mode + ["--task.reward", f"{plugin}:first_digit", "--task.reward_workers",
                                                   str(workers), "--run.out_dir", str(tmp_path / f"w{workers}")])
         tr = Trainer(cfg)
-        runs[workers] = [{k: v for k, v in r.items() if k not in TIMING} for r in tr.run()]
+        runs[workers] = [without_timings(r) for r in tr.run()]
         if workers:  # run() closed the pool: no worker process is left
             assert isinstance(tr.rewards, RewardPool) and tr.rewards._workers == []
     assert runs[0] == runs[2]

@@ -17,13 +17,12 @@ import pytest
 from rlengine.config import ConfigError
 from rlengine.rl.trainer import Trainer
 from rlengine.rl.trainer.run_dir import fresh_run_dir, holds_run
-from tests.support.short_runs import short_run_config
+from tests.support.short_runs import short_run_config, without_timings
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ["--warmstart.steps", "20", "--train.prompts_per_step", "4", "--train.group_size", "4", "--task.num_eval", "8",
        "--task.num_train", "50", "--eval.every", "5", "--run.progress", "false", "--model.dtype", "float64",
        "--train.updates", "40"]
-TIMINGS = {"t_gen", "t_train", "q_gen", "q", "b_act_mean", "b_act_p50", "b_act_p90", "b_act_frac_time_below"}
 
 
 def _env():
@@ -53,7 +52,7 @@ def _wait_for_updates(run_dir: Path, n: int, proc: subprocess.Popen, timeout: fl
 def _same_run(a: list[dict], b: list[dict]) -> None:
     assert [r["update"] for r in a] == [r["update"] for r in b]
     for x, y in zip(a, b):
-        assert {k: v for k, v in x.items() if k not in TIMINGS} == {k: v for k, v in y.items() if k not in TIMINGS}
+        assert without_timings(x) == without_timings(y)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

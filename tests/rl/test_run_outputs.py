@@ -1,8 +1,11 @@
-"""Run outputs and update shaping: samples.jsonl, TensorBoard event files, the LR schedule (and its
-resume), and over-long responses (DAPO soft punishment values; masked responses give zero gradient)."""
+"""Run outputs and update shaping: samples.jsonl, TensorBoard event files, wandb (through a stand-in
+module), the LR schedule (and its resume), and over-long responses (DAPO soft punishment values; masked
+responses give zero gradient)."""
 
 import json
 import math
+import sys
+import types
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from rlengine.rl.algo.overlong import shape_overlong, soft_overlong_penalty
 from rlengine.rl.types import RolloutGroup
 from rlengine.rl.algo.schedule import lr_factor
 from rlengine.rl.trainer import Trainer
+from rlengine.rl.trainer.run_outputs import scalars, start_wandb
 
 from tests.support.short_runs import short_run_config
 
@@ -50,7 +54,7 @@ def test_samples_jsonl_and_tensorboard_scalars(tmp_path):
     # TensorBoard: the event files next to metrics.jsonl hold the same scalars at step = update
     acc = EventAccumulator(str(tmp_path / "out"))
     acc.Reload()
-    for key in ("reward_mean", "lr", "J", "overlong_frac"):
+    for key in ("reward_mean", "lr", "J", "overlong_frac", "actor/pg_loss", "critic/score/mean", "timing_s/step"):
         want = {r["update"]: r[key] for r in _records(tmp_path / "out") if key in r}
         got = {e.step: e.value for e in acc.Scalars(key)}
         assert got == pytest.approx(want, rel=1e-6), key
@@ -65,6 +69,50 @@ def test_tensorboard_missing_is_a_config_error(monkeypatch):
     with pytest.raises(ConfigError, match="pip install tensorboard"):
         load_config("grpo", ["--run.tensorboard", "true"])
     load_config("grpo", [])  # without it a plain job still loads
+
+
+def _wandb_stand_in(calls: dict) -> types.ModuleType:
+    """A module named wandb that records init / log / finish (wandb itself is not a dependency of the tests)."""
+    class Run:
+        def log(self, values, step):
+            calls["log"].append((step, dict(values)))
+
+        def finish(self):
+            calls["finish"] += 1
+
+    module = types.ModuleType("wandb")
+    module.init = lambda **kw: calls["init"].append(kw) or Run()
+    return module
+
+
+def test_wandb_gets_every_row_under_the_same_names(tmp_path, monkeypatch):
+    calls = {"init": [], "log": [], "finish": 0}
+    monkeypatch.setitem(sys.modules, "wandb", _wandb_stand_in(calls))
+    cfg = short_run_config(tmp_path, "out", ["--run.wandb", "true", "--run.wandb_project", "proj",
+                                             "--train.updates", "2"])
+    Trainer(cfg).run()
+    rows = _records(tmp_path / "out")
+    assert [step for step, _ in calls["log"]] == [r["update"] for r in rows] == [0, 1, 2]
+    for (_, values), row in zip(calls["log"], rows):
+        assert values == scalars(row) and values
+    assert {"actor/pg_loss", "critic/score/mean", "response_length/mean", "timing_s/step"} <= set(calls["log"][1][1])
+    assert "critic/vf_loss" not in calls["log"][1][1]  # None (GRPO has no critic) is not logged
+    assert calls["init"] == [{"project": "proj", "name": "out", "dir": str(tmp_path / "out"),
+                              "config": cfg.to_dict()}]
+    assert calls["finish"] == 1
+
+
+def test_wandb_missing_is_a_config_error_naming_the_extra(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
+    with pytest.raises(ConfigError, match=r"pip install rlengine\[wandb\]"):
+        load_config("grpo", ["--run.wandb", "true"])
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install rlengine\[wandb\]"):
+        start_wandb(tmp_path, project="p", config={})
 
 
 def test_lr_factor_by_hand():

@@ -12,13 +12,10 @@ from rlengine.rl.data.rewards import RewardError, register_reward
 from rlengine.rl.data.tasks import DatasetError, build_task, read_jsonl
 from rlengine.rl.trainer import Trainer
 
-from tests.support.short_runs import SHORT_RUN, short_run_config
-
-TIMING = {"t_gen", "t_train", "q_gen", "q", "b_act_mean", "b_act_p50", "b_act_p90", "b_act_frac_time_below"}
-
+from tests.support.short_runs import SHORT_RUN, short_run_config, without_timings
 
 def _strip(records):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+    return [without_timings(r) for r in records]
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):

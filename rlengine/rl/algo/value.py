@@ -3,7 +3,8 @@
 The critic is a separate network (its own copy of the trunk), as in PPO for LLMs (verl,
 OpenRLHF): values V(s_t) for every packed position, read on the positions that predict
 completion tokens. It is the one weight copy rlengine keeps besides the shared policy, and
-only PPO creates it.
+only PPO creates it. explained_variance() says how much of the returns' variance the values
+explain (verl's critic/vf_explained_var), from sums a distributed caller can add over ranks.
 """
 
 from __future__ import annotations
@@ -35,3 +36,22 @@ class ValueModel(nn.Module):
                                for a, b in zip(cu_seqlens, cu_seqlens[1:])])
         hidden = self.trunk(input_ids_T, positions, PackedCausal(list(cu_seqlens), self.scale))
         return self.head(hidden).squeeze(-1).float()
+
+
+def explained_variance_sums(values_T: torch.Tensor, returns_T: torch.Tensor, valid_T: torch.Tensor) -> list[float]:
+    """[n, sum(d), sum(d^2), sum(R), sum(R^2)] over the valid tokens, d = R - V, in float64: the
+    per-rank parts of explained_variance (summed over ranks by the caller). values_T, returns_T [T]."""
+    v, r = values_T[valid_T].double(), returns_T[valid_T].double()
+    d = r - v
+    return [float(valid_T.sum()), float(d.sum()), float((d * d).sum()), float(r.sum()), float((r * r).sum())]
+
+
+def explained_variance(sums: list[float]) -> float | None:
+    """1 - Var(R - V) / Var(R) from explained_variance_sums (global); None when Var(R) is 0 (no signal).
+    Both variances carry the same normalisation, so biased and unbiased estimates give the same ratio."""
+    n, d1, d2, r1, r2 = sums
+    if n < 1:
+        return None
+    var_d, var_r = d2 / n - (d1 / n) ** 2, r2 / n - (r1 / n) ** 2
+    # constant returns: Var(R) is 0 up to the rounding of the one-pass sums, and the ratio meaningless
+    return None if var_r <= 1e-12 * (r2 / n) else 1.0 - var_d / var_r

@@ -259,6 +259,8 @@ class RunSection:
     progress: bool = True
     samples_every: int = 0               # every k updates append the batch's responses to samples.jsonl; 0 = never
     tensorboard: bool = False            # also write metrics as TensorBoard event files in out_dir
+    wandb: bool = False                  # also log metrics to Weights & Biases (WANDB_MODE=offline works)
+    wandb_project: str = "rlengine"      # its project; the run is named after out_dir
     overwrite: bool = False              # a new run may replace the run already in out_dir (else an error)
     keep_checkpoints: int = 0            # keep the newest K checkpoints; 0 = all
     dist_timeout_s: float = 300.0        # a collective that waits longer than this fails the job (several ranks)
@@ -276,6 +278,13 @@ class RunSection:
 
             _check(importlib.util.find_spec("tensorboard") is not None,
                    "run.tensorboard = true needs the tensorboard package (`pip install tensorboard`)")
+        _check(bool(self.wandb_project), "run.wandb_project must be a non-empty project name")
+        if self.wandb:
+            import importlib.util
+            import sys
+
+            _check(sys.modules.get("wandb") is not None or importlib.util.find_spec("wandb") is not None,
+                   "run.wandb = true needs the wandb package (`pip install rlengine[wandb]`)")
 
 
 @dataclass(slots=True, kw_only=True)

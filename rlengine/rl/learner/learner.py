@@ -28,7 +28,7 @@ from rlengine.rl.config import TrainSection
 from rlengine.rl.algo.losses import kl_k3, masked_aggregate, policy_loss, value_loss
 from rlengine.rl.distributed import Dist, full_tensor
 from rlengine.rl.algo.optim import LearnerOptimizer, use_master_weights
-from rlengine.rl.algo.value import ValueModel
+from rlengine.rl.algo.value import ValueModel, explained_variance, explained_variance_sums
 from rlengine.telemetry.nvtx import PhaseRanges
 
 
@@ -222,7 +222,7 @@ class Learner:
             old_values, returns = self.ppo_advantages(batch)
         norm, ntok = self._global_counts(batch)
         sums = {"clip_frac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0, "logprob_diff": 0.0,
-                "loss": 0.0, "value_loss": 0.0, "routing_disagreement": 0.0}
+                "loss": 0.0, "pg_loss": 0.0, "value_loss": 0.0, "routing_disagreement": 0.0}
         mbs = self._micro_batches(batch)
         start = 0
         for i, mb in enumerate(mbs):
@@ -246,6 +246,7 @@ class Learner:
                     pl, m = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.seq_ids,
                                         clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.agg, normalizer=norm)
                     loss = loss + pl
+                    sums["pg_loss"] += float(pl.detach())
                     if cfg.entropy_coef:
                         loss = loss - cfg.entropy_coef * masked_aggregate(ent, mb.loss_mask, mb.seq_ids, agg=cfg.agg,
                                                                           normalizer=norm)
@@ -289,6 +290,8 @@ class Learner:
         sums = dict(zip(keys, self.dist.all_sum([sums[k] for k in keys])))
         sums["logprob_diff"] /= ntok
         sums["entropy"] /= ntok
+        sums["vf_explained_var"] = None if returns is None else explained_variance(
+            self.dist.all_sum(explained_variance_sums(old_values, returns, batch.loss_mask > 0)))
         return sums
 
     def _no_sync(self, *, last: bool):

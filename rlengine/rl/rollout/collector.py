@@ -89,6 +89,7 @@ class CollectStats:
     reward_components: dict = field(default_factory=dict)  # reward/<key> means of dict-returning rewards
     filter_fallback: bool = False        # dynamic sampling hit its budget and kept groups unfiltered
     rewards: list = field(default_factory=list)  # rewards of the batch's responses on ALL ranks, in order
+    scores: list = field(default_factory=list)   # THIS rank's scored rewards, before the filter / lag check
 
     @property
     def retained_fraction(self) -> float:
@@ -224,6 +225,8 @@ class RolloutCollector:
                 stats.groups_scored += 1
                 stats.reward_errors += errors
                 self.sampler.update(idx, rewards)
+                if g in local:
+                    stats.scores.extend(rewards)
                 if self.filtering and self.dynamic_sampling and self.G > 1 and len(set(rewards)) == 1:
                     stats.groups_dropped += 1
                     continue
@@ -296,6 +299,7 @@ class RolloutCollector:
         rewards = group.rewards
         stats.groups_scored += 1
         stats.reward_errors += group.reward_errors
+        stats.scores.extend(rewards)
         self.sampler.update(group.problem_index, rewards)
         if self.async_mode and group.lag(self.llm.weight_version) > self.max_lag:
             stats.groups_stale += 1

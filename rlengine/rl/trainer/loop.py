@@ -2,8 +2,9 @@
 
 One process, one model: the engine (LLM) decodes with the learner's parameters, and an
 optimizer step is visible at the next decode step with no copy. The job's parts are built by
-parts.py; each update boundary appends one record (record.py) to RUN_DIR/metrics.jsonl
-(run_outputs.py also writes samples.jsonl and TensorBoard files). Evaluation
+parts.py; each update boundary appends one record (record.py, verl_metrics.py) to
+RUN_DIR/metrics.jsonl (run_outputs.py also writes samples.jsonl, TensorBoard files and wandb) and
+one line to the console (progress.py, which also reports the set-up phases). Evaluation
 (rollout/evaluation.py) uses a second LLM over the SAME module, so in-flight partial rollouts of
 the training engine are never disturbed. Rewards run through one reward runner per job
 (data/reward_pool.py: in this process or a spawned pool), closed when run() returns or raises.
@@ -11,8 +12,9 @@ the training engine are never disturbed. Rewards run through one reward runner p
 
 from __future__ import annotations
 
+import contextlib
+import time
 from pathlib import Path
-
 
 from rlengine.rl.algo.overlong import shape_overlong
 from rlengine.rl.algo.schedule import lr_factor
@@ -25,11 +27,12 @@ from rlengine.rl.rollout.collector import CollectStats
 from rlengine.rl.trainer.checkpoint import resume_run, save_run
 from rlengine.rl.trainer.graphs import EngineGraphs
 from rlengine.rl.trainer.parts import build_learner, build_parts
-from rlengine.rl.trainer.progress import Progress
+from rlengine.rl.trainer.progress import RunConsole
 from rlengine.rl.trainer.record import UpdateTimes, boundary_since, engine_mark, update_record, write_telemetry
 from rlengine.rl.trainer.run_dir import check_new_run, keep_metrics_through, start_new_run
 from rlengine.rl.trainer.run_outputs import RunOutputs, write_samples
 from rlengine.rl.trainer.signals import StopOnSignal
+from rlengine.rl.trainer.verl_metrics import StepWall, advantage_sums, timing_fields
 from rlengine.telemetry.nvml import NvmlSampler
 from rlengine.telemetry.profiler import ProfileWindow, step_profiler
 from rlengine.telemetry.timers import PhaseTimer
@@ -76,10 +79,15 @@ class Trainer:
         self.dist.check_same("config", cfg.to_dict())
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.parts = p = build_parts(cfg, self.dist)
+        t = cfg.train
+        self.console = RunConsole(enabled=cfg.run.progress and self.dist.is_main,
+                                  filtering=t.dynamic_sampling and t.algo == "grpo")
+        with self.console.status(f"building the job: model {cfg.model.name}, engines, rewards"):
+            self.parts = p = build_parts(cfg, self.dist)
         self.model, self.tok, self.task, self.llm, self.eval_llm = p.model, p.tok, p.task, p.llm, p.eval_llm
         self.sampler, self.rewards, self.collector, self.memory_plan = p.sampler, p.rewards, p.collector, p.memory_plan
-        self.outputs = RunOutputs(self.run_dir, tensorboard=cfg.run.tensorboard, write=self.dist.is_main)
+        self.outputs = RunOutputs(self.run_dir, tensorboard=cfg.run.tensorboard, write=self.dist.is_main,
+                                  wandb=cfg.to_dict() if cfg.run.wandb else None, wandb_project=cfg.run.wandb_project)
         self.update, self.N, self.history, self._saved = 0, 0, [], -1  # _saved: update last checkpointed
         self.telemetry = NvmlSampler.for_device(self.model.device)  # the GPU this rank uses, if any
         self.timer = PhaseTimer(self.model.device)  # t_gen / t_train; syncs only at phase ends
@@ -87,18 +95,23 @@ class Trainer:
         if self.resume_dir is None and self.dist.is_main:
             start_new_run(self.run_dir, cfg, self.outputs)
         w = cfg.warmstart
-        self.warmstart_losses = [] if self.resume_dir is not None else format_warmstart(
-            self.model, self.tok, self.task, steps=w.steps, lr=w.lr, batch=w.batch, seed=cfg.run.seed,
-            encode_prompt=p.encode)
+        self.warmstart_losses = []
+        if self.resume_dir is None and w.steps:
+            with self.console.status(f"format warm start: {w.steps} supervised steps"):
+                self.warmstart_losses = format_warmstart(self.model, self.tok, self.task, steps=w.steps, lr=w.lr,
+                                                         batch=w.batch, seed=cfg.run.seed, encode_prompt=p.encode)
         # Built after the warm start: the KL reference and the PPO critic start from the policy at
         # update 0, not from the random initialisation (on resume, the checkpoint restores both).
-        self.learner = build_learner(cfg, self.model, self.dist)
-        if self.resume_dir is not None:
-            self._resume()
-        # GPU: capture decode graphs now, not inside timed steps, on the parameters the engine reads
-        self.graphs = EngineGraphs(self.model, (self.llm, self.eval_llm))
-        with self.dist.unsharded(self.model):
-            self.graphs.refresh()
+        slow = [f"resuming from {self.resume_dir}"] * (self.resume_dir is not None) + \
+            ["capturing decode CUDA graphs"] * (self.model.device.type == "cuda")
+        with self.console.status(", ".join(slow)) if slow else contextlib.nullcontext():
+            self.learner = build_learner(cfg, self.model, self.dist)
+            if self.resume_dir is not None:
+                self._resume()
+            # GPU: capture decode graphs now, not inside timed steps, on the parameters the engine reads
+            self.graphs = EngineGraphs(self.model, (self.llm, self.eval_llm))
+            with self.dist.unsharded(self.model):
+                self.graphs.refresh()
 
     def evaluate(self) -> float:
         """J: the primary eval set's mean@k; every set's mean@k and pass@k go to self.eval_metrics.
@@ -124,6 +137,7 @@ class Trainer:
         critic_only = t.algo == "ppo" and self.update < t.critic_warmup
         with self.timer.phase("train"):
             m = self.learner.step(batch, critic_only=critic_only, phases=self.telemetry)
+        advantages = advantage_sums(batch.advantages, batch.loss_mask > 0)  # PPO whitened them in the step
         self.telemetry.set_phase("idle")
         rank_times = [self.timer.total("gen"), self.timer.total("train")]
         times = UpdateTimes(*rank_times, *dist.all_max(rank_times))  # the ranks' slowest gates the update
@@ -140,7 +154,8 @@ class Trainer:
         return update_record(update=self.update, n=self.N, critic_only=critic_only, b_train=t.b_train, stats=stats,
                              m=m, times=times, boundary=boundary, groups=groups, num_seqs=batch.num_seqs,
                              consumed=consumed, overlong=overlong, penalty=penalty, soft_overlong=t.overlong == "soft",
-                             lr=self.learner.opt.param_groups[0]["lr"], dist=dist)
+                             lr=self.learner.opt.param_groups[0]["lr"], dist=dist, advantages=advantages,
+                             has_critic=self.learner.critic is not None)
 
     def run(self, stop_after: int | None = None, stop_when=None) -> list[dict]:
         """Train until train.updates (or `stop_after` updates, for tests); checkpoint at the end.
@@ -154,7 +169,9 @@ class Trainer:
         try:
             with StopOnSignal(announce=self.dist.is_main) as stop:
                 if self.update == 0:
-                    self._log({"update": 0, "N": 0, "J": self.evaluate(), **eval_fields(self.eval_metrics)})
+                    with self.console.status("evaluating J at N = 0"):
+                        j = self.evaluate()
+                    self._log({"update": 0, "N": 0, "J": j, **eval_fields(self.eval_metrics)})
                 self._loop(last, stop_when, stop)
             if self._saved != self.update:  # the last update is saved once; a finished run, not again
                 self.checkpoint()
@@ -168,21 +185,14 @@ class Trainer:
         profiler = step_profiler(out if self.dist.is_main else None, name="train", window=window,
                                  device=self.model.device, ranges=[self.llm.ranges, self.learner.ranges])
         self.telemetry.start()
-        progress = Progress(cfg.train.updates, start=self.update, enabled=cfg.run.progress and self.dist.is_main)
-        with profiler, progress as bar:
+        with profiler, self.console.updates(cfg.train.updates, start=self.update) as console:
             while self.update < last:
-                n_before = self.N
-                record = self.train_step()
-                if eval_due(cfg, self.update, n_before, self.N):
-                    record["J"] = self.evaluate()
-                    record.update(eval_fields(self.eval_metrics))
+                record = self._update_and_after()
                 self._log(record)
-                bar.advance(record)
+                console.advance(record)
                 if stop_when is not None and stop_when(record):
                     self.stopped_early = True
                     break
-                if cfg.run.checkpoint_every and self.update % cfg.run.checkpoint_every == 0:
-                    self.checkpoint()
                 if self.dist.all_max([float(stop.requested)])[0]:  # every rank stops at the same update
                     self.interrupted = True
                     break
@@ -190,7 +200,28 @@ class Trainer:
         if profiler.trace_path:
             print(f"profile of updates {window.start}..{window.stop - 1}: {profiler.trace_path} {profiler.note}")
         self.telemetry.stop()
-        write_telemetry(self.telemetry, self.history, b_train=cfg.train.b_train, dist=self.dist, run_dir=self.run_dir)
+        write_telemetry(self.telemetry, self.history, b_train=cfg.train.b_train, dist=self.dist, run_dir=self.run_dir,
+                        gpu=self.model.device.type == "cuda")
+
+    def _update_and_after(self) -> dict:
+        """One update, its evaluation when due and its periodic checkpoint (before the record is logged,
+        so the record holds their times: timing_s/*); returns the record."""
+        cfg, start, n_before = self.cfg, time.perf_counter(), self.N
+        record = self.train_step()
+        testing = save = 0.0
+        if eval_due(cfg, self.update, n_before, self.N):
+            t0 = time.perf_counter()
+            record["J"] = self.evaluate()
+            record.update(eval_fields(self.eval_metrics))
+            testing = time.perf_counter() - t0
+        if cfg.run.checkpoint_every and self.update % cfg.run.checkpoint_every == 0:
+            t0 = time.perf_counter()
+            self.checkpoint()
+            save = time.perf_counter() - t0
+        wall = StepWall(testing=testing, save_checkpoint=save, step=time.perf_counter() - start)
+        record.update(timing_fields(record, wall, b_train=cfg.train.b_train, world=self.dist.world,
+                                    device=self.model.device))
+        return record
 
     def _log(self, record: dict) -> None:
         self.history.append(record)

@@ -1,10 +1,12 @@
 """The metrics record of one update boundary, and the run's telemetry file.
 
 update_record() turns what one update measured (the collector's stats, the learner's metrics, the
-engine trace of the boundary, the phase times) into the metrics.jsonl line: N, the rewards, t_gen,
-t_train, q_gen, q, grad norms, clip fraction, entropy, KL, the generator-vs-learner log-prob
-difference, policy lag, lr, the over-long fraction and the B_act distribution of the boundary's
-decode steps. Every value is global over ranks; per-rank views end in `_ranks`.
+engine trace of the boundary, the phase times) into the metrics.jsonl line: the paper's quantities
+top-level (N, the rewards, t_gen, t_train, q_gen, q, grad norms, KL to the reference, the
+generator-vs-learner log-prob difference, policy lag, lr, the over-long fraction and the B_act
+distribution of the boundary's decode steps) and verl's actor/*, critic/*, response_length/* and
+prompt_length/* keys (verl_metrics.py; the loop adds timing_s/* and perf/*). Every value is global
+over ranks; per-rank views end in `_ranks`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from rlengine.rl.distributed import Dist
 from rlengine.rl.rollout.collector import CollectStats
+from rlengine.rl.trainer.verl_metrics import verl_fields
 from rlengine.rl.types import RolloutGroup
 from rlengine.telemetry.records import BoundaryRecord, build_boundary_record
 
@@ -47,16 +50,20 @@ def boundary_since(llm, mark: tuple[int, int, int], *, responses: int, times: Up
 
 def update_record(*, update: int, n: int, critic_only: bool, b_train: int, stats: CollectStats, m: dict,
                   times: UpdateTimes, boundary: BoundaryRecord, groups: list[RolloutGroup], num_seqs: int,
-                  consumed: int, overlong: int, penalty: float, soft_overlong: bool, lr: float, dist: Dist) -> dict:
+                  consumed: int, overlong: int, penalty: float, soft_overlong: bool, lr: float, dist: Dist,
+                  advantages: list[float], has_critic: bool) -> dict:
     """The metrics.jsonl line of one update. Every rank calls it with its own groups (the B_train
     responses it trained on, `num_seqs` of them in its batch, `overlong` of them cut at max_tokens
     with `penalty` the sum of their soft penalties); lags and sums are gathered over ranks here.
-    consumed: the weight version the update trained (a response's lag is counted against it)."""
+    consumed: the weight version the update trained (a response's lag is counted against it).
+    advantages: verl_metrics.advantage_sums of the batch after the step. A critic-only update
+    logs None for the actor's terms (it has none)."""
     lags = [lag for part in dist.all_gather_objects([g.lag(consumed) for g in groups]) for lag in part]
-    tokens, seqs, overlong, penalty = dist.all_sum(
-        [float(sum(len(c) for g in groups for c in g.completions)), float(num_seqs), float(overlong), penalty])
+    seqs, overlong, penalty = dist.all_sum([float(num_seqs), float(overlong), penalty])
     rewards = torch.tensor(stats.rewards, dtype=torch.float64)  # every rank's, in global order
     t_gen, t_train = times.t_gen, times.t_train
+    actor = {k: m[k] for k in ("loss", "kl_ref", "logprob_diff", "routing_disagreement")}
+    actor = dict.fromkeys(actor) if critic_only else actor  # a critic-only update has no actor terms
     record = {
         "update": update, "N": n, "critic_only": critic_only, "skipped": m["skipped"],
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
@@ -66,11 +73,8 @@ def update_record(*, update: int, n: int, critic_only: bool, b_train: int, stats
         "filter_fallback": stats.filter_fallback,
         "t_gen": t_gen, "t_train": t_train, "q_gen": b_train / t_gen, "q": b_train / (t_gen + t_train),
         "actor_grad_norm": m["actor_grad_norm"], "critic_grad_norm": m["critic_grad_norm"],
-        "loss": m["loss"], "value_loss": m["value_loss"], "clip_frac": m["clip_frac"],
-        "approx_kl": m["approx_kl"], "kl_ref": m["kl_ref"], "entropy": m["entropy"],
-        "logprob_diff": m["logprob_diff"], "routing_disagreement": m["routing_disagreement"],
-        "policy_lag_mean": sum(lags) / len(lags), "policy_lag_max": max(lags),
-        "response_len_mean": tokens / max(seqs, 1.0), "lr": lr,
+        **actor,
+        "policy_lag_mean": sum(lags) / len(lags), "policy_lag_max": max(lags), "lr": lr,
         "b_act_mean": boundary.b_act.mean, "b_act_p50": boundary.b_act.p50, "b_act_p90": boundary.b_act.p90,
         "b_act_frac_time_below": boundary.b_act.frac_time_below, "gen_tokens": boundary.generated_tokens,
         "preemptions": boundary.preemptions,
@@ -78,6 +82,11 @@ def update_record(*, update: int, n: int, critic_only: bool, b_train: int, stats
     }
     if soft_overlong:
         record["overlong_penalty_mean"] = penalty / max(seqs, 1.0)
+    record.update(verl_fields(
+        m=m, critic_only=critic_only, has_critic=has_critic, scores=stats.scores, advantages=advantages,
+        response_lengths=[len(c) for g in groups for c in g.completions],
+        prompt_lengths=[len(g.prompt_ids) for g in groups for _ in g.completions],
+        finish_reasons=[r for g in groups for r in g.finish_reasons], dist=dist))
     if dist.enabled:  # per-rank views: wall-clock of each rank's phases and its decode batches
         per_rank = dist.all_gather_objects((times.t_gen_rank, times.t_train_rank, boundary.b_act.mean))
         record.update({k: list(v) for k, v in zip(("t_gen_ranks", "t_train_ranks", "b_act_mean_ranks"),
@@ -85,10 +94,11 @@ def update_record(*, update: int, n: int, critic_only: bool, b_train: int, stats
     return record
 
 
-def write_telemetry(telemetry, history: list[dict], *, b_train: int, dist: Dist, run_dir: Path) -> None:
+def write_telemetry(telemetry, history: list[dict], *, b_train: int, dist: Dist, run_dir: Path, gpu: bool) -> None:
     """Per-phase GPU telemetry (or why there is none) to RUN_DIR/telemetry.json. Every rank samples
     its own device; rank 0 gathers them and writes one file (its own summary at the top level,
-    every rank's under "ranks")."""
+    every rank's under "ranks"). It prints the summary, or why there is none only when the run
+    asked for a GPU (`gpu`): a CPU run has no GPU to measure (`rlengine info` says why)."""
     steps = [r for r in history if r["update"] > 0]
     summary = telemetry.summary(responses=b_train * len(steps), tokens=sum(r.get("gen_tokens", 0) for r in steps))
     payload = {"available": summary.available, "reason": summary.reason,
@@ -96,7 +106,8 @@ def write_telemetry(telemetry, history: list[dict], *, b_train: int, dist: Dist,
     ranks = dist.all_gather_objects(json.loads(json.dumps(payload, default=str)))
     if not dist.is_main:
         return
-    print(summary.format())
+    if summary.available or gpu:
+        print(summary.format())
     if dist.enabled:
         payload["ranks"] = ranks
     (run_dir / "telemetry.json").write_text(json.dumps(payload, indent=2, default=str))

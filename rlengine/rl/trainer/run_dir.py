@@ -24,7 +24,8 @@ def _check(cond: bool, msg: str) -> None:
 # Overrides a resumed run accepts: they change how long it runs, how it is evaluated, logged and
 # saved, never what an update computes. Any other override on --resume is an error.
 RESUME_OVERRIDABLE = ("train.updates", "eval.*", "run.checkpoint_every", "run.progress", "run.out_dir",
-                      "run.samples_every", "run.tensorboard", "run.keep_checkpoints", "run.dist_timeout_s")
+                      "run.samples_every", "run.tensorboard", "run.wandb", "run.wandb_project", "run.keep_checkpoints",
+                      "run.dist_timeout_s")
 
 
 def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:

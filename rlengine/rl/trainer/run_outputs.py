@@ -1,12 +1,13 @@
-"""What a run writes besides checkpoints: metrics.jsonl, samples.jsonl and TensorBoard event files.
+"""What a run writes besides checkpoints: metrics.jsonl, samples.jsonl, TensorBoard event files, wandb.
 
 The trainer hands every update-boundary record to RunOutputs.log() (one JSON line in
 RUN_DIR/metrics.jsonl; with run.tensorboard = true also one scalar per numeric field, at
-step = update, in TensorBoard event files in RUN_DIR itself, next to metrics.jsonl) and, every
+step = update, in TensorBoard event files in RUN_DIR itself, next to metrics.jsonl; with
+run.wandb = true the same scalars under the same names to a wandb run in RUN_DIR/wandb) and, every
 run.samples_every updates, the update's responses to samples() (one JSON line per response in
 RUN_DIR/samples.jsonl: update, N, prompt and completion text, reward, advantage, token count,
 mean and min token log-prob, finish reason). Only rank 0 writes. torch.utils.tensorboard is
-imported only when asked for (the tensorboard package is optional; the config checks it).
+imported only when asked for, and so is wandb (both packages are optional; the config checks them).
 """
 
 from __future__ import annotations
@@ -15,15 +16,38 @@ import json
 import math
 from pathlib import Path
 
+from rlengine.config import ConfigError
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """The fields of a metrics record that TensorBoard and wandb log: finite numbers (not bools, not
+    None, not the step itself)."""
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and k != "update" and math.isfinite(v)}
+
+
+def start_wandb(run_dir: Path, *, project: str, config: dict):
+    """A wandb run named after run_dir, its files in RUN_DIR/wandb, the job's config attached."""
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ConfigError(f"run.wandb = true needs the wandb package (`pip install rlengine[wandb]`): {exc}") from None
+    (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=project, name=run_dir.name, dir=str(run_dir), config=config)
+
 
 class RunOutputs:
-    def __init__(self, run_dir: Path, *, tensorboard: bool, write: bool):
+    def __init__(self, run_dir: Path, *, tensorboard: bool, write: bool, wandb: dict | None = None,
+                 wandb_project: str = "rlengine"):
+        """wandb: the job's config (to_dict) to log to a wandb run in `wandb_project`; None: no wandb."""
         self.run_dir, self.write = run_dir, write
-        self.tb = None
+        self.tb = self.wandb = None
         if tensorboard and write:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=str(run_dir))
+        if wandb is not None and write:
+            self.wandb = start_wandb(run_dir, project=wandb_project, config=wandb)
 
     def reset(self, keep_through: int | None = None) -> None:
         """A new run (keep_through None): empty metrics.jsonl, no samples.jsonl. A resumed one: keep
@@ -41,12 +65,13 @@ class RunOutputs:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+        values = scalars(record)
         if self.tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "update" \
-                        and math.isfinite(value):
-                    self.tb.add_scalar(key, value, global_step=record["update"])
+            for key, value in values.items():
+                self.tb.add_scalar(key, value, global_step=record["update"])
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(values, step=record["update"])
 
     def samples(self, rows: list[dict]) -> None:
         """Append rows (see samples_rows) to samples.jsonl."""
@@ -59,6 +84,9 @@ class RunOutputs:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 def samples_rows(groups, advantages: list[float], tok, *, update: int, n: int) -> list[dict]:
