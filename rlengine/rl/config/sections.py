@@ -191,7 +191,7 @@ class TrainSection(UpdateOptions):
         _check(0 <= self.warmup_updates < self.updates,
                f"train.warmup_updates must be in [0, train.updates = {self.updates}), got {self.warmup_updates}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        self.check_update_options(self.algo, self.parallel, self.credit)
+        self.check_update_options(algo=self.algo, parallel=self.parallel, credit=self.credit, b_train=self.b_train)
 
     @property
     def lr_effective(self) -> float:

@@ -42,10 +42,11 @@ class UpdateOptions:
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward
     ref_offload: bool = False            # KL reference's decoder layers on the host, streamed per layer
 
-    def check_update_options(self, algo: str, parallel: str, credit: str) -> None:
+    def check_update_options(self, *, algo: str, parallel: str, credit: str, b_train: int) -> None:
         """Validate the fields above (TrainSection.__post_init__ calls this); raises ConfigError."""
         _check(self.ppo_epochs >= 1, f"train.ppo_epochs must be >= 1, got {self.ppo_epochs}")
-        _check(self.mini_batches >= 1, f"train.mini_batches must be >= 1, got {self.mini_batches}")
+        _check(1 <= self.mini_batches <= b_train,
+               f"train.mini_batches must be in [1, B_train = {b_train}], got {self.mini_batches}")
         _check(self.kl_estimator in KL_ESTIMATORS,
                f"train.kl_estimator must be {'|'.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
         _check(self.kl_reward_coef >= 0, f"train.kl_reward_coef must be >= 0, got {self.kl_reward_coef}")
