@@ -4,13 +4,13 @@ One rollout batch: prepare() once (PPO's GAE, KL in the reward, whitening, rollo
 learner/update.py), then train.ppo_epochs passes of train.mini_batches optimizer steps each (the
 defaults, 1 x 1, are one update per batch, the paper's accounting), metrics merged over the passes.
 GRPO: clipped surrogate (asymmetric clip, optional dual-clip) on group-relative advantages, optional
-KL (train.kl_estimator) to a frozen reference, optional entropy bonus. PPO: the same policy loss on GAE advantages from
-a critic (ValueModel, its own AdamW at lr * critic_lr_mult, value clipping); critic-only
-warm-up updates leave the policy untouched. Micro-batches accumulate gradients with every
-loss normalised by the full batch's count, so any micro-batch size gives the same update.
-Log-probs: log_softmax(logits / temperature) at the target tokens — the engine's definition —
-through the fused Triton kernel on GPU and its torch reference on CPU. The learner also
-reports how far its recomputed log-probs are from the engine's behaviour log-probs.
+KL (train.kl_estimator) to a frozen reference, optional entropy bonus. PPO: the same policy loss on
+GAE advantages from a critic (ValueModel, its own AdamW at lr * critic_lr_mult, value clipping);
+critic-only warm-up updates leave the policy untouched. Micro-batches accumulate gradients with every
+loss normalised by the full (mini-)batch's count, so any micro-batch size gives the same update.
+Log-probs: learner/logprobs.py (the engine's definition). The learner also reports how far its
+recomputed log-probs are from the engine's behaviour log-probs. Memory: train.activation_checkpointing
+recomputes each decoder layer in the backward; train.ref_offload keeps the reference on the host.
 A non-finite loss or gradient skips the update (reported), leaving weights and optimizer intact.
 Precision: with a bf16 model the optimizer steps fp32 master weights and writes the rounded
 result into the shared parameters in place (rlengine/rl/algo/optim.py).
@@ -24,8 +24,7 @@ import math
 
 import torch
 
-from rlengine.model.qwen3 import Qwen3ForCausalLM, logits_fp32
-from rlengine.rl.algo.advantages import gae
+from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.algo.losses import kl_penalty, masked_aggregate, policy_loss, value_loss
 from rlengine.rl.algo.optim import LearnerOptimizer, use_master_weights
 from rlengine.rl.algo.rollout_is import rollout_is_weights
@@ -33,46 +32,12 @@ from rlengine.rl.algo.value import ValueModel
 from rlengine.rl.config import TrainSection
 from rlengine.rl.distributed import Dist, full_tensor
 from rlengine.rl.learner.batching import TrainBatch
+from rlengine.rl.learner.logprobs import processed_token_logprobs, token_logprobs
 from rlengine.rl.learner.ref_offload import HostStreamedLayers
-from rlengine.rl.learner.update import combine_passes, grpo_kl_advantages, whiten
+from rlengine.rl.learner.update import combine_passes, grpo_kl_advantages, packed_gae, rollout_is_stats, whiten
 from rlengine.telemetry.nvtx import PhaseRanges
 
-
-def token_logprobs(module, mb: TrainBatch, temperature: float, fused: bool, checkpoint_layers: bool = False):
-    """(logp [T], entropy [T]) of mb.targets under `module` (raw definition), fp32, differentiable.
-
-    `module` is the model or its DDP / FSDP wrapper: the call goes through its forward(), so the
-    wrappers' hooks run. The learner's forward is the differentiable torch path (fast=False); it
-    agrees with the engine's fused inference path to rounding (tests/rl/test_logprob_parity.py).
-    checkpoint_layers: recompute each decoder layer in the backward (train.activation_checkpointing).
-    """
-    if fused:
-        from rlengine.kernels.fused_logprob import fused_logprob as fn
-    else:
-        from rlengine.kernels.fused_logprob import fused_logprob_ref as fn
-
-    def head(hidden_TC, w_VC):
-        return fn(hidden_TC, w_VC, mb.targets, temperature=temperature, return_entropy=True)
-    return module(mb.input_ids, cu_seqlens=mb.cu_seqlens, head=head, checkpoint_layers=checkpoint_layers)
-
-
-def processed_token_logprobs(module, mb: TrainBatch, temperature: float, top_k: int, top_p: float,
-                             checkpoint_layers: bool = False):
-    """(logp [T], entropy [T]) under the top-k / top-p filtered distribution at `temperature`.
-
-    The same quantity the engine returns with logprobs_mode="processed" (sampler.sequence_logprobs);
-    it needs the [T, V] logits (the filter sorts each row), so it is not fused. Entropy is that of
-    the unfiltered distribution, as in raw mode.
-    """
-    from rlengine.engine.sampler import sequence_logprobs
-
-    def head(hidden_TC, w_VC):
-        logits_TV = logits_fp32(hidden_TC, w_VC)
-        logp = sequence_logprobs(logits_TV, mb.targets, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 mode="processed")
-        full_TV = (logits_TV / temperature).log_softmax(dim=-1)
-        return logp, -(full_TV.exp() * full_TV).sum(dim=-1)
-    return module(mb.input_ids, cu_seqlens=mb.cu_seqlens, head=head, checkpoint_layers=checkpoint_layers)
+__all__ = ["Learner", "token_logprobs", "processed_token_logprobs"]  # the log-prob functions: re-exported
 
 
 class Learner:
@@ -178,21 +143,8 @@ class Learner:
         Returns (old_values [T], returns [T]) for the value loss.
         """
         values_T = self.critic_fwd(batch.input_ids, batch.cu_seqlens)
-        segs = list(zip(batch.cu_seqlens, batch.cu_seqlens[1:]))
-        lens = [int(batch.loss_mask[a:e].sum()) for a, e in segs]
-        B, L = len(segs), max(lens, default=0)
-        v, m, r = (values_T.new_zeros(B, L) for _ in range(3))
-        for b, ((a, e), n) in enumerate(zip(segs, lens)):
-            v[b, :n], m[b, :n] = values_T[e - n:e], 1.0
-            if n and kl_T is not None:
-                r[b, :n] = -self.cfg.kl_reward_coef * kl_T[e - n:e]
-                r[b, n - 1] += batch.rewards[b]
-            elif n:  # a masked (over-long) response has no trained token; with every one masked L = 0
-                r[b, n - 1] = batch.rewards[b]
-        adv_BL, ret_BL = gae(r, v, m, gamma=self.cfg.gamma, lam=self.cfg.lam)
-        adv_T, ret_T = torch.zeros_like(values_T), torch.zeros_like(values_T)
-        for b, ((a, e), n) in enumerate(zip(segs, lens)):
-            adv_T[e - n:e], ret_T[e - n:e] = adv_BL[b, :n], ret_BL[b, :n]
+        adv_T, ret_T = packed_gae(batch, values_T, kl_T, gamma=self.cfg.gamma, lam=self.cfg.lam,
+                                  kl_coef=self.cfg.kl_reward_coef)
         batch.advantages = whiten(adv_T, batch.loss_mask > 0, self.dist)
         return values_T, ret_T
 
@@ -217,11 +169,7 @@ class Learner:
             batch.learner_old_logprobs = self.batch_logprobs(self.actor_fwd, batch)
             batch.is_weights, raw = rollout_is_weights(batch.learner_old_logprobs, batch.old_logprobs, batch.loss_mask,
                                                        batch.seq_ids, level=cfg.rollout_is, cap=cfg.rollout_is_cap)
-            n, total, capped = self.dist.all_sum([float(valid.sum()), float(raw[valid].sum()),
-                                                  float((raw[valid] > cfg.rollout_is_cap).sum())])
-            peak = self.dist.all_max([float(raw[valid].max()) if bool(valid.any()) else 0.0])[0]
-            stats.update(rollout_is_mean=total / max(n, 1.0), rollout_is_max=peak,
-                         rollout_is_capped_frac=capped / max(n, 1.0))
+            stats.update(rollout_is_stats(raw, valid, cfg.rollout_is_cap, self.dist))
         kl_T = None
         if cfg.kl_in_reward:
             old = batch.old_logprobs if batch.learner_old_logprobs is None else batch.learner_old_logprobs

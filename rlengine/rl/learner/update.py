@@ -1,4 +1,5 @@
-"""The arithmetic around the learner's gradient passes: batch whitening, KL in the reward, pass metrics.
+"""The arithmetic around the learner's gradient passes: GAE on packed responses, batch whitening, KL in
+the reward, rollout IS statistics, pass metrics.
 
 Learner.prepare runs once per rollout batch before any pass: PPO's GAE (in the learner, it needs the
 critic), then the pieces here that rewrite the batch's advantages (GRPO scores with the KL penalty
@@ -13,7 +14,7 @@ import math
 
 import torch
 
-from rlengine.rl.algo.advantages import grpo_advantages
+from rlengine.rl.algo.advantages import gae, grpo_advantages
 from rlengine.rl.distributed import Dist
 from rlengine.rl.learner.batching import TrainBatch
 
@@ -25,6 +26,40 @@ def whiten(adv_T: torch.Tensor, valid_T: torch.Tensor, dist: Dist) -> torch.Tens
     mu = s1 / max(n, 1.0)
     sd = math.sqrt(max(s2 / max(n, 1.0) - mu * mu, 0.0))
     return torch.where(valid_T, (adv_T - mu) / (sd + 1e-8), torch.zeros_like(adv_T))
+
+
+def packed_gae(batch: TrainBatch, values_T: torch.Tensor, kl_T: torch.Tensor | None, *, gamma: float, lam: float,
+               kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (advantages [T], returns [T]) of PPO's packed responses, 0 off the trained positions.
+
+    A response's trained positions are the last n of its packed segment; the outcome reward sits on
+    its last token, and with kl_T (train.kl_in_reward) every token's reward also gets -kl_coef * kl_t.
+    """
+    segs = list(zip(batch.cu_seqlens, batch.cu_seqlens[1:]))
+    lens = [int(batch.loss_mask[a:e].sum()) for a, e in segs]
+    B, L = len(segs), max(lens, default=0)
+    v, m, r = (values_T.new_zeros(B, L) for _ in range(3))
+    for b, ((a, e), n) in enumerate(zip(segs, lens)):
+        v[b, :n], m[b, :n] = values_T[e - n:e], 1.0
+        if n and kl_T is not None:
+            r[b, :n] = -kl_coef * kl_T[e - n:e]
+            r[b, n - 1] += batch.rewards[b]
+        elif n:  # a masked (over-long) response has no trained token; with every one masked L = 0
+            r[b, n - 1] = batch.rewards[b]
+    adv_BL, ret_BL = gae(r, v, m, gamma=gamma, lam=lam)
+    adv_T, ret_T = torch.zeros_like(values_T), torch.zeros_like(values_T)
+    for b, ((a, e), n) in enumerate(zip(segs, lens)):
+        adv_T[e - n:e], ret_T[e - n:e] = adv_BL[b, :n], ret_BL[b, :n]
+    return adv_T, ret_T
+
+
+def rollout_is_stats(raw_T: torch.Tensor, valid_T: torch.Tensor, cap: float, dist: Dist) -> dict:
+    """Global statistics of the untruncated rollout IS weights over the trained tokens: their mean, max
+    and the fraction the cap truncates (rollout_is_mean / _max / _capped_frac)."""
+    w = raw_T[valid_T]
+    n, total, capped = dist.all_sum([float(valid_T.sum()), float(w.sum()), float((w > cap).sum())])
+    peak = dist.all_max([float(w.max()) if w.numel() else 0.0])[0]
+    return {"rollout_is_mean": total / max(n, 1.0), "rollout_is_max": peak, "rollout_is_capped_frac": capped / max(n, 1.0)}
 
 
 def grpo_kl_advantages(batch: TrainBatch, kl_T: torch.Tensor, *, coef: float, group_size: int,
