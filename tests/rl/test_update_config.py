@@ -79,3 +79,15 @@ def test_epochs_and_mini_batches_count_each_response_once(tmp_path):
     assert [r["N"] for r in history] == [16, 32]  # B_train = 4 x 4 per update, whatever the passes
     assert len(steps) == 2 * 2 * 2  # updates x epochs x mini-batches optimizer steps
     assert tr.llm.weight_version == 2  # the engine's version counts rollout batches trained on
+
+
+def test_the_readme_option_table_lists_every_train_key():
+    import dataclasses
+    from pathlib import Path
+
+    from rlengine.rl.config import TrainSection
+
+    text = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
+    table = text.split("## RL options and their verl / TRL names", 1)[1].split("\n## ", 1)[0]
+    missing = [f.name for f in dataclasses.fields(TrainSection) if f"`train.{f.name}`" not in table]
+    assert not missing, f"README option table lacks: {missing}"
