@@ -28,7 +28,10 @@ class UpdateOptions:
     """Policy-update settings of [train] (see the module docstring)."""
 
     ppo_epochs: int = 1                  # passes over each rollout batch
-    mini_batches: int = 1                # optimizer steps per pass: the batch split into this many parts
+    # optimizer steps per pass: the batch split into this many parts of whole sequences (several ranks:
+    # mini-batch i is every rank's i-th part of its own share, so which responses share a step differs
+    # from one process's split; ppo_epochs alone keeps the one-process equality)
+    mini_batches: int = 1
     kl_estimator: str = "k3"             # k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10], as verl)
     # KL folded into the token reward (PPO-style), with its OWN coefficient kl_reward_coef (train.kl_coef
     # stays the loss term's); both may be on. GRPO: each response's score becomes reward - coef * sum_t kl_t

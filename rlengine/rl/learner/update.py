@@ -56,7 +56,7 @@ def packed_gae(batch: TrainBatch, values_T: torch.Tensor, kl_T: torch.Tensor | N
 def rollout_is_stats(raw_T: torch.Tensor, valid_T: torch.Tensor, cap: float, dist: Dist) -> dict:
     """Global statistics of the untruncated rollout IS weights over the trained tokens: their mean, max
     and the fraction the cap truncates (rollout_is_mean / _max / _capped_frac)."""
-    w = raw_T[valid_T]
+    w = raw_T[valid_T].double()  # fp64 sums: the same mean however the batch is split over ranks
     n, total, capped = dist.all_sum([float(valid_T.sum()), float(w.sum()), float((w > cap).sum())])
     peak = dist.all_max([float(w.max()) if w.numel() else 0.0])[0]
     return {"rollout_is_mean": total / max(n, 1.0), "rollout_is_max": peak, "rollout_is_capped_frac": capped / max(n, 1.0)}
