@@ -129,3 +129,25 @@ def test_memory_plan_counts_checkpointing_and_the_streamed_reference():
     assert plans["ckpt"].activations == activation_bytes(cfg, tokens, "float32", checkpointing=True)
     assert plans["ckpt"].activations < plans["plain"].activations
     assert plans["plain"].training_state - plans["offload"].training_state == full - streamed
+
+
+def test_checkpointing_with_replayed_moe_routing_keeps_the_gradients():
+    """The backward re-runs each MoE layer: it must route by the replayed record as the forward did.
+    The policy is moved first, so its own routing differs from the recorded one (disagreement > 0)."""
+    from tests.model.test_moe_model import CFG, _groups
+
+    model = Qwen3ForCausalLM(CFG, seed=3)
+    batch = grpo_batch(_groups(LLM(model, max_num_seqs=4, attention_backend="torch", record_routing=True), seed=4),
+                       normalize_std=True)
+    Learner(model, TrainSection(prompts_per_step=3, group_size=2, lr=0.05), replay_routing=True).step(
+        copy.deepcopy(batch))
+    grads = []
+    for on in (False, True):
+        learner = Learner(copy.deepcopy(model), TrainSection(prompts_per_step=3, group_size=2, micro_batch=2,
+                                                             activation_checkpointing=on), replay_routing=True)
+        m = learner.compute_grads(copy.deepcopy(batch))
+        grads.append(([p.grad.clone() for p in learner.model.parameters()], m["routing_disagreement"]))
+    (g0, d0), (g1, d1) = grads
+    assert d0 > 0 and d1 == d0
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+    assert all(block.replay_ids is None for block in learner.model.moe_blocks())  # cleared after each backward

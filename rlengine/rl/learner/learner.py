@@ -248,6 +248,7 @@ class Learner:
                 if critic_loss is not None:
                     (critic_loss * self.dist.world).backward()
                     loss = loss + critic_loss.detach()
+                self._set_replay(None)
             self.optim.accumulate()
             if self.critic_optim is not None:
                 self.critic_optim.accumulate()
@@ -282,8 +283,9 @@ class Learner:
         w = float(mb.loss_mask.sum()) / ntok
         if self.replay_routing:
             self._set_replay(mb)
+        # replayed routing stays set until pass_grads' backward: with activation checkpointing the
+        # backward runs each MoE layer again and must route as the forward did
         logp, ent = self.token_logprobs(self.actor_fwd, mb, checkpoint_layers=cfg.activation_checkpointing)
-        self._set_replay(None)
         # the ratio's denominator: the learner's own pre-update log-probs when prepare() made them (rollout
         # IS), else the engine's behaviour log-probs (one pass: ratio = 1 up to the engine-learner gap)
         old = mb.old_logprobs if mb.learner_old_logprobs is None else mb.learner_old_logprobs
