@@ -151,3 +151,23 @@ def test_checkpointing_with_replayed_moe_routing_keeps_the_gradients():
     assert d0 > 0 and d1 == d0
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
     assert all(block.replay_ids is None for block in learner.model.moe_blocks())  # cleared after each backward
+
+
+def test_streamed_reference_is_saved_and_restored_on_resume(tmp_path):
+    from rlengine.rl.trainer import Trainer
+    from rlengine.rl.trainer.run_dir import resume_config
+    from tests.rl.test_trainer_setup import _cfg
+
+    tr = Trainer(_cfg(tmp_path, "off", ["--train.kl_coef", "0.1", "--train.ref_offload=true",
+                                        "--run.checkpoint_every", "1"]))
+    ref0 = {k: v.clone() for k, v in tr.learner.ref.state_dict().items()}
+    tr.run(stop_after=1)
+    resumed = Trainer(resume_config(tmp_path / "off"), resume_from=tmp_path / "off")
+    stream = resumed.learner.ref_stream
+    assert stream is not None
+    host = {t.data_ptr() for t in stream.host_tensors}
+    for layer in resumed.learner.ref.model.layers:  # restored into the host copies, still streamed
+        assert all(p.data_ptr() in host for p in layer.parameters())
+    for k, v in resumed.learner.ref.state_dict().items():
+        assert torch.equal(v, ref0[k]), k
+    assert resumed.train_step()["kl_ref"] > 0  # the policy moved away from the restored reference
