@@ -331,17 +331,16 @@ class Learner:
 
         `phases` (optional, e.g. telemetry.NvmlSampler) gets set_phase("forward-backward" / "optimizer").
         """
-        if phases is not None:
-            phases.set_phase("forward-backward")
-        with self.ranges("learner.forward-backward"):
-            stats = self.prepare(batch, critic_only=critic_only)
-        passes = []
+        passes, stats, parts = [], {}, None
         for _ in range(self.cfg.ppo_epochs):
-            for part in batch.split(self.cfg.mini_batches):
+            for i in range(self.cfg.mini_batches):
                 if phases is not None:
                     phases.set_phase("forward-backward")
                 with self.ranges("learner.forward-backward"):
-                    metrics = self.pass_grads(part, critic_only=critic_only)
+                    if parts is None:  # once per rollout batch, inside the first pass's range; split
+                        stats = self.prepare(batch, critic_only=critic_only)  # after it rewrote the batch
+                        parts = batch.split(self.cfg.mini_batches)
+                    metrics = self.pass_grads(parts[i], critic_only=critic_only)
                 if phases is not None:
                     phases.set_phase("optimizer")
                 with self.ranges("learner.optimizer"):
