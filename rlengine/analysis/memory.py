@@ -52,11 +52,26 @@ def training_bytes_per_param(dtype: str, master_weights: str = "auto") -> TrainS
     return TrainStateBytes(weights=w, master=0, moments=2 * w, grads=w)
 
 
+def reference_device_params(cfg: ModelConfig, *, offload: bool = False) -> int:
+    """Parameters of the frozen KL reference that sit on the device: all of them, or with offload
+    (train.ref_offload: decoder layers on the host, streamed one at a time) the embedding, the LM
+    head, the final norm and the largest single decoder layer."""
+    p = param_counts(cfg)
+    if not offload:
+        return p.total
+    L, C = cfg.num_hidden_layers, cfg.hidden_size
+    dense_mlp = 3 * C * cfg.intermediate_size
+    moe_mlp = (p.router // p.moe_layers + p.num_experts * p.expert) if p.moe_layers else 0
+    mlp = max(moe_mlp, dense_mlp if p.moe_layers < L else 0)
+    layer = p.attention // L + 2 * C + mlp
+    return p.embedding + (0 if p.tied else p.lm_head) + C + layer
+
+
 def training_state_bytes(cfg: ModelConfig, dtype: str, master_weights: str = "auto", *,
-                         critic: bool = False, kl_reference: bool = False) -> int:
+                         critic: bool = False, kl_reference: bool = False, ref_offload: bool = False) -> int:
     """M_weights of a training run on one device: the policy's training state, plus a PPO critic
     (a trunk copy with its own optimizer state: the LM head excluded) and a frozen KL reference
-    (weights only)."""
+    (weights only; with ref_offload only its device-resident part, reference_device_params)."""
     n = param_counts(cfg).total
     per = training_bytes_per_param(dtype, master_weights).total
     total = n * per
@@ -65,5 +80,5 @@ def training_state_bytes(cfg: ModelConfig, dtype: str, master_weights: str = "au
         trunk = n - (0 if counts.tied else counts.lm_head)
         total += trunk * per
     if kl_reference:
-        total += n * _BYTES[dtype]
+        total += reference_device_params(cfg, offload=ref_offload) * _BYTES[dtype]
     return total

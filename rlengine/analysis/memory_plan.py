@@ -15,7 +15,8 @@ which is docs/METHOD.md's B_KV (analysis.roofline.b_kv) with S = the engine's ma
 is built once per device before any engine exists (the engines are sized from it, not from the
 free memory at construction time) and refuses, naming the numbers, a budget whose pool cannot
 hold one GRPO group of G sequences at full length. Simplification: the activation estimate counts
-what autograd saves per token in the torch training path (no recomputation) plus, in the processed
+what autograd saves per token in the torch training path (with train.activation_checkpointing: each
+layer's input, plus one layer recomputed at a time) plus, in the processed
 log-prob mode, the [T, V] fp32 logits; it errs high rather than low. For a tight plan, measure:
 torch.cuda.max_memory_allocated() around one learner micro-step, passed as `activations`.
 """
@@ -33,7 +34,8 @@ _BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 GiB = 2**30
 
 
-def activation_bytes(cfg: ModelConfig, tokens: int, dtype: str, *, materialized_logits: bool = False) -> int:
+def activation_bytes(cfg: ModelConfig, tokens: int, dtype: str, *, materialized_logits: bool = False,
+                     checkpointing: bool = False) -> int:
     """Estimated activation peak of the learner's forward + backward over `tokens` packed tokens.
 
     Per layer and token, in the compute dtype: the saved inputs of the two RMSNorms and the
@@ -42,7 +44,9 @@ def activation_bytes(cfg: ModelConfig, tokens: int, dtype: str, *, materialized_
     K C and the router's E fp32 probabilities). One more layer's worth for the backward's transient
     gradients, the embeddings and final norm (3C). materialized_logits: the processed log-prob mode
     sorts [T, V] fp32 logits (logits, log-softmax and their gradient: 3 V fp32 per token); the fused
-    raw mode keeps no [T, V] tensor.
+    raw mode keeps no [T, V] tensor. checkpointing (each decoder layer recomputed in the backward):
+    every layer keeps only its input (C), and one layer's saved tensors exist at a time, so the
+    per-layer sum becomes L C + max(per layer) (the transient gradients' layer as before).
     """
     s = _BYTES[dtype]
     C, H, Hkv, D, L = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
@@ -56,7 +60,8 @@ def activation_bytes(cfg: ModelConfig, tokens: int, dtype: str, *, materialized_
         else:
             mlp = 3 * cfg.intermediate_size
         per_layer.append(attn + mlp)
-    elems = sum(per_layer) + max(per_layer) + 3 * C
+    saved = L * C + max(per_layer) if checkpointing else sum(per_layer)
+    elems = saved + max(per_layer) + 3 * C
     total = tokens * elems * s
     if materialized_logits:
         total += tokens * cfg.vocab_size * 4 * 3
@@ -136,9 +141,11 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, dtype: str, max_model_le
                 block_size: int = 16, master_weights: str = "auto", critic: bool = False,
                 kl_reference: bool = False, materialized_logits: bool = False, activations: int | None = None,
                 reserve: int = GiB, alpha: float = 0.9, b_gen: int = 1, group_size: int = 1,
-                fsdp_shards: int = 1) -> MemoryPlan:
+                fsdp_shards: int = 1, activation_checkpointing: bool = False, ref_offload: bool = False
+                ) -> MemoryPlan:
     """The plan for one device (bytes). activations: a measured peak (else activation_bytes());
-    fsdp_shards: ranks the training state is sharded over (1: a full replica, as DDP keeps)."""
+    fsdp_shards: ranks the training state is sharded over (1: a full replica, as DDP keeps);
+    activation_checkpointing / ref_offload: train.activation_checkpointing / train.ref_offload."""
     if device_bytes <= 0 or max_model_len < 1 or micro_batch_tokens < 1 or block_size < 1:
         raise ConfigError(f"plan_memory needs device_bytes > 0, max_model_len, micro_batch_tokens and block_size "
                           f">= 1; got {device_bytes}, {max_model_len}, {micro_batch_tokens}, {block_size}")
@@ -146,11 +153,13 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, dtype: str, max_model_le
         raise ConfigError(f"plan_memory: alpha must be in (0, 1], got {alpha}")
     s = _BYTES[dtype]
     weights = param_counts(cfg).total * s
-    state = training_state_bytes(cfg, dtype, master_weights, critic=critic, kl_reference=kl_reference)
+    state = training_state_bytes(cfg, dtype, master_weights, critic=critic, kl_reference=kl_reference,
+                                 ref_offload=ref_offload)
     state = weights + -(-(state - weights) // max(1, fsdp_shards))
     measured = activations is not None
     if activations is None:
-        activations = activation_bytes(cfg, micro_batch_tokens, dtype, materialized_logits=materialized_logits)
+        activations = activation_bytes(cfg, micro_batch_tokens, dtype, materialized_logits=materialized_logits,
+                                       checkpointing=activation_checkpointing)
     per_block = 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * s
     left = math.floor(alpha * device_bytes) - state - activations - reserve
     m_kv = int(kv_bytes_per_seq(cfg, max_model_len, s))

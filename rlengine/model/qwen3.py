@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from rlengine.config import ModelConfig
 from rlengine.model import ops as op_dispatch
@@ -112,9 +113,13 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
 
-    def forward(self, input_ids_T, positions_T, ctx: AttentionContext, *, fast: bool = False):
+    def forward(self, input_ids_T, positions_T, ctx: AttentionContext, *, fast: bool = False,
+                checkpoint_layers: bool = False):
         """fast=True: the engine's inference path (fused kernels of fused_ops_for, no autograd; the
-        torch path where a device has none). fast=False: the differentiable torch path."""
+        torch path where a device has none). fast=False: the differentiable torch path.
+        checkpoint_layers (torch path, with autograd on): each decoder layer keeps only its input and
+        runs again in the backward (torch.utils.checkpoint, non-reentrant): the same gradients, the
+        activations of one layer at a time instead of all of them."""
         x_TC = self.embed_tokens(input_ids_T)
         ops = fused_ops_for(x_TC.device) if fast and x_TC.dtype != torch.float64 else None  # fp64: torch ops
         if ops is not None:
@@ -123,8 +128,12 @@ class Qwen3Model(nn.Module):
                                    "torch.no_grad() / inference_mode, or use fast=False")
             return self.forward_fused(x_TC, positions_T, ctx, ops)
         cos, sin = self.rotary(positions_T, x_TC.dtype)
+        recompute = checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
-            x_TC = layer(x_TC, cos, sin, ctx)
+            if recompute:
+                x_TC = checkpoint(layer, x_TC, cos, sin, ctx, use_reentrant=False)
+            else:
+                x_TC = layer(x_TC, cos, sin, ctx)
         return self.norm(x_TC)
 
     def forward_fused(self, x_TC, positions_T, ctx, ops: FusedOps):
@@ -197,18 +206,19 @@ class Qwen3ForCausalLM(nn.Module):
         return logits_fp32(hidden_TC, w, engine=True)
 
     def forward(self, input_ids_BS: torch.Tensor, *, cu_seqlens: list[int] | None = None, head=None,
-                fast: bool = False):
+                fast: bool = False, checkpoint_layers: bool = False):
         """Plain causal forward, no cache: input_ids [B, S] -> logits [B, S, V] (fast: fused no-grad path).
 
         With cu_seqlens: the packed forward of input_ids [T] (forward_packed); `head(hidden_TC, W_VC)`,
         when given, replaces the LM head (the learner's log-prob kernel). The learner calls this
-        entry point so that DDP / FSDP wrappers see its forward.
+        entry point so that DDP / FSDP wrappers see its forward. checkpoint_layers: Qwen3Model.forward
+        (packed path only).
         """
         if cu_seqlens is not None:
+            kw = dict(fast=fast, checkpoint_layers=checkpoint_layers)
             if head is None:
-                return self.forward_packed(input_ids_BS, cu_seqlens, fast=fast)
-            return head(self.forward_packed(input_ids_BS, cu_seqlens, return_hidden=True, fast=fast),
-                        self.lm_head.weight)
+                return self.forward_packed(input_ids_BS, cu_seqlens, **kw)
+            return head(self.forward_packed(input_ids_BS, cu_seqlens, return_hidden=True, **kw), self.lm_head.weight)
         B, S = input_ids_BS.shape
         positions = torch.arange(S, device=input_ids_BS.device).repeat(B)
         ctx = DenseCausal(B, S, self.config.head_dim ** -0.5)
@@ -216,7 +226,8 @@ class Qwen3ForCausalLM(nn.Module):
         return self.lm_head(hidden).view(B, S, -1)
 
     def forward_packed(self, input_ids_T: torch.Tensor, cu_seqlens: list[int] | torch.Tensor,
-                       *, return_hidden: bool = False, fast: bool = False) -> torch.Tensor:
+                       *, return_hidden: bool = False, fast: bool = False,
+                       checkpoint_layers: bool = False) -> torch.Tensor:
         """Variable-length causal forward: sequences packed along T with boundaries cu_seqlens [B+1].
 
         Returns logits [T, V], or hidden states [T, C] with return_hidden (for the fused log-prob).
@@ -227,7 +238,8 @@ class Qwen3ForCausalLM(nn.Module):
         if cu[0] != 0 or cu[-1] != input_ids_T.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to T={input_ids_T.shape[0]}, got {cu}")
         positions = torch.cat([torch.arange(b - a, device=input_ids_T.device) for a, b in zip(cu, cu[1:])])
-        hidden = self.model(input_ids_T, positions, PackedCausal(cu, self.config.head_dim ** -0.5), fast=fast)
+        hidden = self.model(input_ids_T, positions, PackedCausal(cu, self.config.head_dim ** -0.5), fast=fast,
+                            checkpoint_layers=checkpoint_layers)
         return hidden if return_hidden else self.lm_head(hidden)
 
     def moe_blocks(self) -> list[SparseMoeBlock]:

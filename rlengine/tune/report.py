@@ -52,7 +52,7 @@ def to_toml(d: dict) -> str:
     out = []
     for section, values in d.items():
         out.append(f"[{section}]")
-        out += [f"{k} = {value(v)}" for k, v in values.items()]
+        out += [f"{k} = {value(v)}" for k, v in values.items() if v is not None]  # TOML has no null: absent = None
         out.append("")
     text = "\n".join(out)
     tomllib.loads(text)  # what we write must read back

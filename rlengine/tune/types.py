@@ -55,6 +55,12 @@ class TuneSpec:
             raise ValueError(f"clock must be auto|wall|cpu, got {self.clock!r}")
         if self.recheck < 0 or self.confirm_seeds < 0 or self.kv_bytes < 0 or self.budget_s < 0:
             raise ValueError("recheck, confirm_seeds, kv_bytes and budget_s must be >= 0")
+        train = self.job.get("train", {})
+        for key in ("ppo_epochs", "mini_batches"):
+            if train.get(key, 1) != 1:
+                raise ValueError(f"tune: the job sets train.{key} = {train[key]}, but the tuner's accounting "
+                                 "(PAPER.md: the sqrt LR rule, r_N, N per update) assumes ONE optimizer update per "
+                                 f"rollout batch; tune the job with train.{key} = 1")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -255,3 +255,13 @@ def test_a_killed_rank_is_named_with_how_it_died():
     assert _how_it_ended(1) == "exit code 1"
     assert _how_it_ended(-9) == "killed by SIGKILL, likely out of memory (the kernel's OOM killer sends it)"
     assert _how_it_ended(-15) == "stopped by SIGTERM"
+
+
+def test_several_passes_and_batch_wide_options_equal_one_process(tmp_path):
+    """2 PPO epochs, token rollout IS, the KL in GRPO scores and batch whitening on 2 ranks (DDP and
+    FSDP, float64): the weights after the step and every batch-wide statistic equal one process's."""
+    res = _two_rank_script("update_options_equivalence", tmp_path / "options.json")
+    for parallel, errs in res.items():
+        assert errs["moved"] > 1e-6 and 0 < errs["capped"] < 1, (parallel, errs)  # a real update, IS cap active
+        bad = {k: v for k, v in errs.items() if k not in ("moved", "capped") and not v < 1e-9}
+        assert not bad, (parallel, bad)

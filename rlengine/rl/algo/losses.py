@@ -1,4 +1,4 @@
-"""RL losses on packed token tensors: PPO clipped policy loss, PPO value loss, k3 KL.
+"""RL losses on packed token tensors: PPO clipped policy loss (dual-clip), value loss, KL estimators.
 
 Sits inside Learner.step: per-token log-probs (rlengine.kernels.fused_logprob) and the
 TrainBatch's old log-probs, advantages and loss mask -> scalar loss + metrics.
@@ -9,7 +9,10 @@ padding); seq_ids_T says which sequence each token belongs to, ids in [0, T).
 Aggregation and gradient accumulation. Every loss is SUM(per-unit loss) / normalizer:
   "token-mean": units are valid tokens, normalizer = number of valid tokens;
   "seq-mean":   units are sequences, each contributing the mean of its own valid tokens,
-                normalizer = number of sequences that have a valid token.
+                normalizer = number of sequences that have a valid token;
+  "seq-mean-token-sum-norm" (Dr. GRPO): units are sequences, each contributing the SUM of its
+                valid tokens divided by a constant norm_len (the longest response the engine can
+                make), normalizer = number of sequences. No per-response length in the loss.
 With normalizer=None the count is taken from the tensors passed in. For gradient
 accumulation pass the count for the FULL update batch (all micro-batches; under DDP, which
 averages gradients over W ranks, pass global_count / W): the micro-batch losses then add up to
@@ -23,17 +26,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-AGGREGATIONS = ("token-mean", "seq-mean")
+AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
 
 def masked_aggregate(loss_T: Tensor, mask_T: Tensor, seq_ids_T: Tensor | None = None, *,
-                     agg: str = "token-mean", normalizer: float | Tensor | None = None) -> Tensor:
+                     agg: str = "token-mean", normalizer: float | Tensor | None = None, norm_len: int = 0) -> Tensor:
     """Reduce a per-token quantity [T] to a scalar by `agg` (see module docstring).
 
     Used for the policy and value losses, and directly for KL or entropy terms:
     masked_aggregate(kl_k3(logp, ref_logp), mask, seq_ids, agg=..., normalizer=...).
-    seq_ids_T is required for "seq-mean". No host sync: per-sequence sums go into a [T] buffer
-    (there are never more sequences than tokens). Returns an fp32 0-dim tensor.
+    seq_ids_T is required for the seq-* modes, norm_len >= 1 for "seq-mean-token-sum-norm". No host
+    sync: per-sequence sums go into a [T] buffer (there are never more sequences than tokens).
+    Returns an fp32 0-dim tensor.
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
@@ -43,9 +48,14 @@ def masked_aggregate(loss_T: Tensor, mask_T: Tensor, seq_ids_T: Tensor | None = 
     masked = loss_T.float() * m
     if agg == "token-mean":
         total, count = masked.sum(), m.sum()
+    elif seq_ids_T is None or seq_ids_T.shape != loss_T.shape:
+        raise ValueError(f"agg={agg!r} needs seq_ids_T with the same [T] shape as loss_T")
+    elif agg == "seq-mean-token-sum-norm":
+        if norm_len < 1:
+            raise ValueError(f"agg='seq-mean-token-sum-norm' needs norm_len >= 1 (train.loss_norm_len), got {norm_len}")
+        total = masked.sum() / norm_len
+        count = (m.new_zeros(loss_T.shape[0]).index_add_(0, seq_ids_T, torch.ones_like(m)) > 0).sum()
     else:
-        if seq_ids_T is None or seq_ids_T.shape != loss_T.shape:
-            raise ValueError("agg='seq-mean' needs seq_ids_T with the same [T] shape as loss_T")
         seq_sum = masked.new_zeros(loss_T.shape[0]).index_add_(0, seq_ids_T, masked)
         seq_cnt = m.new_zeros(loss_T.shape[0]).index_add_(0, seq_ids_T, m)
         total = (seq_sum / seq_cnt.clamp(min=1.0)).sum()
@@ -57,37 +67,58 @@ def masked_aggregate(loss_T: Tensor, mask_T: Tensor, seq_ids_T: Tensor | None = 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, seq_ids: Tensor | None = None, *,
                 clip_low: float = 0.2, clip_high: float = 0.28, agg: str = "token-mean",
-                log_ratio_clamp: float = 20.0, normalizer: float | Tensor | None = None
+                log_ratio_clamp: float = 20.0, normalizer: float | Tensor | None = None,
+                clip_ratio_c: float | None = None, weights: Tensor | None = None, norm_len: int = 0
                 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate with asymmetric clipping (DAPO "clip-higher").
+    """PPO clipped surrogate with asymmetric clipping (DAPO "clip-higher") and optional dual-clip.
 
-    All inputs [T] packed; logp carries the gradient, old_logp / adv are constants.
+    All inputs [T] packed; logp carries the gradient, old_logp / adv / weights are constants.
       log r = clamp(logp - old_logp, -log_ratio_clamp, +log_ratio_clamp)  (no inf after exp)
       loss_t = max(-A_t * r_t, -A_t * clip(r_t, 1 - clip_low, 1 + clip_high))
-    aggregated by `agg` / `normalizer` (module docstring). Metrics (detached, over valid tokens):
-    clip_frac (tokens where the clipped branch is active, i.e. the gradient is cut), approx_kl
-    (k3 estimate of KL(old || new): mean of r - 1 - log r), ratio_mean.
+      dual-clip (clip_ratio_c = c > 1, verl's semantics): where A_t < 0, loss_t = min(loss_t, -A_t * c),
+        so a token with r far above 1 and a negative advantage stops pushing (its gradient is cut)
+      weights [T] (rollout importance weights, detached) multiply loss_t before aggregation
+    aggregated by `agg` / `normalizer` / `norm_len` (module docstring). Metrics (detached, over valid
+    tokens): clip_frac (tokens where the clipped branch is active, i.e. the gradient is cut) =
+    clip_frac_low (A < 0 and r < 1 - clip_low) + clip_frac_high (A > 0 and r > 1 + clip_high);
+    clip_frac_dual (tokens the dual-clip bound takes, verl's pg_clipfrac_lower); approx_kl (k3
+    estimate of KL(old || new): mean of r - 1 - log r); ratio_mean; ratio_max (over the tokens passed).
     """
     if not 0.0 <= clip_low < 1.0 or clip_high < 0.0:
         raise ValueError(f"policy_loss: need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"policy_loss: clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
     log_ratio = (logp.float() - old_logp.detach().float()).clamp(-log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
     a = adv.detach().float()
     unclipped = -a * ratio
     clipped = -a * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = masked_aggregate(torch.maximum(unclipped, clipped), mask, seq_ids, agg=agg, normalizer=normalizer)
+    loss_T = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(loss_T, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        bound = -a * clip_ratio_c
+        dual = (a < 0) & (loss_T > bound)
+        loss_T = torch.where(a < 0, torch.minimum(loss_T, bound), loss_T)
+    if weights is not None:
+        loss_T = loss_T * weights.detach().float()
+    loss = masked_aggregate(loss_T, mask, seq_ids, agg=agg, normalizer=normalizer, norm_len=norm_len)
     with torch.no_grad():
+        cut = clipped > unclipped
         metrics = {
-            "clip_frac": _token_mean((clipped > unclipped).float(), mask),
+            "clip_frac": _token_mean(cut.float(), mask),
+            "clip_frac_low": _token_mean((cut & (a < 0)).float(), mask),
+            "clip_frac_high": _token_mean((cut & (a > 0)).float(), mask),
+            "clip_frac_dual": _token_mean(dual.float(), mask),
             "approx_kl": _token_mean(ratio - 1.0 - log_ratio, mask),
             "ratio_mean": _token_mean(ratio, mask),
+            "ratio_max": torch.where(mask > 0, ratio, torch.zeros_like(ratio)).max() if ratio.numel() else ratio.sum(),
         }
     return loss, metrics
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, seq_ids: Tensor | None = None, *,
-               clip: float = 0.2, agg: str = "token-mean", normalizer: float | Tensor | None = None
-               ) -> tuple[Tensor, dict[str, Tensor]]:
+               clip: float = 0.2, agg: str = "token-mean", normalizer: float | Tensor | None = None,
+               norm_len: int = 0) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped value loss, all inputs [T] packed; values carries the gradient.
 
       v_clip = old_values + clamp(values - old_values, -clip, +clip)
@@ -101,10 +132,27 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     ret = returns.detach().float()
     v_clip = old + (v - old).clamp(-clip, clip)
     err, err_clip = (v - ret).square(), (v_clip - ret).square()
-    loss = masked_aggregate(0.5 * torch.maximum(err, err_clip), mask, seq_ids, agg=agg, normalizer=normalizer)
+    loss = masked_aggregate(0.5 * torch.maximum(err, err_clip), mask, seq_ids, agg=agg, normalizer=normalizer,
+                            norm_len=norm_len)
     with torch.no_grad():
         metrics = {"vf_clip_frac": _token_mean((err_clip > err).float(), mask)}
     return loss, metrics
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi: [T] fp32, by `estimator`.
+
+    With d = logp - ref_logp (ref_logp a constant): k1 = d (unbiased, either sign), k2 = d^2 / 2,
+    k3 = kl_k3 (exp(-d) + d - 1 >= 0, unbiased, low variance), low_var_kl = k3 clamped to [-10, 10]
+    (verl's low_var_kl; verl's "k3" is that clamped one too, rlengine's k3 is not clamped).
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    if estimator in ("k3", "low_var_kl"):
+        k3 = kl_k3(logp, ref_logp)
+        return k3 if estimator == "k3" else k3.clamp(-10.0, 10.0)
+    d = logp.float() - ref_logp.detach().float()
+    return d if estimator == "k1" else 0.5 * d.square()
 
 
 def kl_k3(logp: Tensor, ref_logp: Tensor, *, log_ratio_clamp: float = 20.0) -> Tensor:

@@ -30,11 +30,14 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
         self.scale = policy.config.head_dim ** -0.5
 
-    def forward(self, input_ids_T: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-        """Packed values: input_ids [T] with boundaries cu_seqlens [B+1] -> [T] fp32."""
+    def forward(self, input_ids_T: torch.Tensor, cu_seqlens: list[int], *, checkpoint_layers: bool = False
+                ) -> torch.Tensor:
+        """Packed values: input_ids [T] with boundaries cu_seqlens [B+1] -> [T] fp32 (checkpoint_layers:
+        recompute each trunk layer in the backward, Qwen3Model.forward)."""
         positions = torch.cat([torch.arange(b - a, device=input_ids_T.device)
                                for a, b in zip(cu_seqlens, cu_seqlens[1:])])
-        hidden = self.trunk(input_ids_T, positions, PackedCausal(list(cu_seqlens), self.scale))
+        hidden = self.trunk(input_ids_T, positions, PackedCausal(list(cu_seqlens), self.scale),
+                            checkpoint_layers=checkpoint_layers)
         return self.head(hidden).squeeze(-1).float()
 
 

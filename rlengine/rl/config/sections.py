@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 
 from rlengine.config import ConfigError
+from rlengine.rl.config.update_options import AGGREGATIONS, UpdateOptions
 from rlengine.rl.config.values import typed
 
 
@@ -112,8 +113,9 @@ class GenSection:
 
 
 @dataclass(slots=True, kw_only=True)
-class TrainSection:
-    """The learner: algorithm, batch knobs, optimiser and loss settings."""
+class TrainSection(UpdateOptions):
+    """The learner: algorithm, batch knobs, optimiser and loss settings (the policy-update options
+    it inherits, train.ppo_epochs to train.ref_offload, are in update_options.py)."""
 
     algo: str = "grpo"                   # grpo | ppo
     group_size: int = 0                  # G; 0 = 8 for GRPO, 1 for PPO
@@ -135,12 +137,12 @@ class TrainSection:
     skip_zero_grad: bool = False
     clip_low: float = 0.2
     clip_high: float = 0.28
-    agg: str = "token-mean"              # token-mean | seq-mean
+    agg: str = "token-mean"              # token-mean | seq-mean | seq-mean-token-sum-norm (Dr. GRPO)
     # GRPO credit assignment: sequence (one advantage per response, on each of its tokens) | token (each
     # token's own group-relative advantage from the task's per-token credit; tasks with Task.token_credit)
     credit: str = "sequence"
     normalize_std: bool = True
-    kl_coef: float = 0.0                 # k3 KL to a frozen reference; 0 = no reference model
+    kl_coef: float = 0.0                 # KL loss term (train.kl_estimator) to a frozen reference; 0 = none
     entropy_coef: float = 0.0
     dynamic_sampling: bool = True        # drop all-pass / all-fail groups (GRPO)
     priority_sampling: bool = True       # weight prompts by estimated pass rate near 0.5
@@ -183,7 +185,7 @@ class TrainSection:
         _check(self.updates >= 1, f"train.updates must be >= 1, got {self.updates}")
         _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _check(self.lr_rule in ("sqrt", "linear", "none"), f"train.lr_rule must be sqrt|linear|none, got {self.lr_rule!r}")
-        _check(self.agg in ("token-mean", "seq-mean"), f"train.agg must be token-mean|seq-mean, got {self.agg!r}")
+        _check(self.agg in AGGREGATIONS, f"train.agg must be {'|'.join(AGGREGATIONS)}, got {self.agg!r}")
         _check(self.credit in ("sequence", "token"), f"train.credit must be sequence|token, got {self.credit!r}")
         _check(self.credit == "sequence" or self.algo == "grpo",
                "train.credit = 'token' is a GRPO option (PPO's critic assigns credit per token already)")
@@ -197,6 +199,7 @@ class TrainSection:
         _check(0 <= self.warmup_updates < self.updates,
                f"train.warmup_updates must be in [0, train.updates = {self.updates}), got {self.warmup_updates}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        self.check_update_options(algo=self.algo, parallel=self.parallel, credit=self.credit, b_train=self.b_train)
 
     @property
     def lr_effective(self) -> float:
@@ -311,6 +314,8 @@ class TrainConfig:
             t.overlong_buffer = t.overlong_buffer or max(1, self.gen.max_tokens // 4)
             _check(t.overlong_buffer <= self.gen.max_tokens,
                    f"train.overlong_buffer ({t.overlong_buffer}) must be <= gen.max_tokens ({self.gen.max_tokens})")
+        if t.agg == "seq-mean-token-sum-norm":  # Dr. GRPO's constant: the longest response the engine makes
+            t.loss_norm_len = t.loss_norm_len or self.gen.max_tokens
 
     @property
     def attention_backend(self) -> str:

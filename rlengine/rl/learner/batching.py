@@ -32,6 +32,11 @@ class TrainBatch:
     seq_ids: torch.Tensor        # [T] int64 sequence index of each token
     cu_seqlens: list[int]        # [B+1] host
     routing_ids: torch.Tensor | None = None  # [T, L_moe, K] recorded expert ids (replay) or None
+    # Set by the learner before its passes (Learner.prepare), None otherwise:
+    learner_old_logprobs: torch.Tensor | None = None  # [T] the learner's own log-probs before the update
+    is_weights: torch.Tensor | None = None   # [T] truncated rollout importance weights (train.rollout_is)
+    old_values: torch.Tensor | None = None   # [T] PPO critic values before the update
+    returns: torch.Tensor | None = None      # [T] PPO value targets (GAE)
 
     @property
     def num_seqs(self) -> int:
@@ -41,17 +46,30 @@ class TrainBatch:
         """Contiguous micro-batches of `size` whole sequences (size <= 0: the batch itself)."""
         if size <= 0 or size >= self.num_seqs:
             return [self]
-        out = []
-        for s in range(0, self.num_seqs, size):
-            e = min(self.num_seqs, s + size)
-            a, b = self.cu_seqlens[s], self.cu_seqlens[e]
-            out.append(TrainBatch(
-                input_ids=self.input_ids[a:b], targets=self.targets[a:b], loss_mask=self.loss_mask[a:b],
-                old_logprobs=self.old_logprobs[a:b], advantages=self.advantages[a:b],
-                rewards=self.rewards[s:e], seq_ids=self.seq_ids[a:b] - s,
-                cu_seqlens=[c - a for c in self.cu_seqlens[s:e + 1]],
-                routing_ids=None if self.routing_ids is None else self.routing_ids[a:b]))
-        return out
+        return [self.sequences(s, min(self.num_seqs, s + size)) for s in range(0, self.num_seqs, size)]
+
+    def split(self, parts: int) -> list["TrainBatch"]:
+        """`parts` contiguous mini-batches of whole sequences, sizes as even as possible (the first
+        num_seqs % parts one larger); empty ones where the batch has fewer sequences than parts."""
+        if parts <= 1:
+            return [self]
+        q, r = divmod(self.num_seqs, parts)
+        bounds = [0]
+        for i in range(parts):
+            bounds.append(bounds[-1] + q + (1 if i < r else 0))
+        return [self.sequences(s, e) for s, e in zip(bounds, bounds[1:])]
+
+    def sequences(self, s: int, e: int) -> "TrainBatch":
+        """Sequences s..e-1 as their own TrainBatch (views; seq_ids and cu_seqlens rebased to 0)."""
+        a, b = self.cu_seqlens[s], self.cu_seqlens[e]
+        cut = lambda t: None if t is None else t[a:b]  # noqa: E731
+        return TrainBatch(
+            input_ids=self.input_ids[a:b], targets=self.targets[a:b], loss_mask=self.loss_mask[a:b],
+            old_logprobs=self.old_logprobs[a:b], advantages=self.advantages[a:b],
+            rewards=self.rewards[s:e], seq_ids=self.seq_ids[a:b] - s,
+            cu_seqlens=[c - a for c in self.cu_seqlens[s:e + 1]], routing_ids=cut(self.routing_ids),
+            learner_old_logprobs=cut(self.learner_old_logprobs), is_weights=cut(self.is_weights),
+            old_values=cut(self.old_values), returns=cut(self.returns))
 
     @staticmethod
     def filler(device) -> "TrainBatch":
@@ -67,7 +85,9 @@ class TrainBatch:
         return TrainBatch(input_ids=move(self.input_ids), targets=move(self.targets),
                           loss_mask=move(self.loss_mask), old_logprobs=move(self.old_logprobs),
                           advantages=move(self.advantages), rewards=move(self.rewards), seq_ids=move(self.seq_ids),
-                          cu_seqlens=self.cu_seqlens, routing_ids=move(self.routing_ids))
+                          cu_seqlens=self.cu_seqlens, routing_ids=move(self.routing_ids),
+                          learner_old_logprobs=move(self.learner_old_logprobs), is_weights=move(self.is_weights),
+                          old_values=move(self.old_values), returns=move(self.returns))
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],

@@ -1,13 +1,16 @@
-"""Learner: one optimizer update per TrainBatch, on the weights the engine decodes with.
+"""Learner: the optimizer updates of one TrainBatch, on the weights the engine decodes with.
 
-GRPO: clipped surrogate (asymmetric clip) on group-relative advantages, optional k3 KL to a
-frozen reference, optional entropy bonus. PPO: the same policy loss on GAE advantages from
-a critic (ValueModel, its own AdamW at lr * critic_lr_mult, value clipping); critic-only
-warm-up updates leave the policy untouched. Micro-batches accumulate gradients with every
-loss normalised by the full batch's count, so any micro-batch size gives the same update.
-Log-probs: log_softmax(logits / temperature) at the target tokens — the engine's definition —
-through the fused Triton kernel on GPU and its torch reference on CPU. The learner also
-reports how far its recomputed log-probs are from the engine's behaviour log-probs.
+One rollout batch: prepare() once (PPO's GAE, KL in the reward, whitening, rollout IS weights:
+learner/update.py), then train.ppo_epochs passes of train.mini_batches optimizer steps each (the
+defaults, 1 x 1, are one update per batch, the paper's accounting), metrics merged over the passes.
+GRPO: clipped surrogate (asymmetric clip, optional dual-clip) on group-relative advantages, optional
+KL (train.kl_estimator) to a frozen reference, optional entropy bonus. PPO: the same policy loss on
+GAE advantages from a critic (ValueModel, its own AdamW at lr * critic_lr_mult, value clipping);
+critic-only warm-up updates leave the policy untouched. Micro-batches accumulate gradients with every
+loss normalised by the full (mini-)batch's count, so any micro-batch size gives the same update.
+Log-probs: learner/logprobs.py (the engine's definition). The learner also reports how far its
+recomputed log-probs are from the engine's behaviour log-probs. Memory: train.activation_checkpointing
+recomputes each decoder layer in the backward; train.ref_offload keeps the reference on the host.
 A non-finite loss or gradient skips the update (reported), leaving weights and optimizer intact.
 Precision: with a bf16 model the optimizer steps fp32 master weights and writes the rounded
 result into the shared parameters in place (rlengine/rl/algo/optim.py).
@@ -21,50 +24,20 @@ import math
 
 import torch
 
-from rlengine.model.qwen3 import Qwen3ForCausalLM, logits_fp32
-from rlengine.rl.algo.advantages import gae
-from rlengine.rl.learner.batching import TrainBatch
-from rlengine.rl.config import TrainSection
-from rlengine.rl.algo.losses import kl_k3, masked_aggregate, policy_loss, value_loss
-from rlengine.rl.distributed import Dist, full_tensor
+from rlengine.model.qwen3 import Qwen3ForCausalLM
+from rlengine.rl.algo.losses import kl_penalty, masked_aggregate, policy_loss, value_loss
 from rlengine.rl.algo.optim import LearnerOptimizer, use_master_weights
+from rlengine.rl.algo.rollout_is import rollout_is_weights
 from rlengine.rl.algo.value import ValueModel, explained_variance, explained_variance_sums
+from rlengine.rl.config import TrainSection
+from rlengine.rl.distributed import Dist, full_tensor
+from rlengine.rl.learner.batching import TrainBatch
+from rlengine.rl.learner.logprobs import processed_token_logprobs, token_logprobs
+from rlengine.rl.learner.ref_offload import HostStreamedLayers
+from rlengine.rl.learner.update import combine_passes, grpo_kl_advantages, packed_gae, rollout_is_stats, whiten
 from rlengine.telemetry.nvtx import PhaseRanges
 
-
-def token_logprobs(module, mb: TrainBatch, temperature: float, fused: bool):
-    """(logp [T], entropy [T]) of mb.targets under `module` (raw definition), fp32, differentiable.
-
-    `module` is the model or its DDP / FSDP wrapper: the call goes through its forward(), so the
-    wrappers' hooks run. The learner's forward is the differentiable torch path (fast=False); it
-    agrees with the engine's fused inference path to rounding (tests/rl/test_logprob_parity.py).
-    """
-    if fused:
-        from rlengine.kernels.fused_logprob import fused_logprob as fn
-    else:
-        from rlengine.kernels.fused_logprob import fused_logprob_ref as fn
-
-    def head(hidden_TC, w_VC):
-        return fn(hidden_TC, w_VC, mb.targets, temperature=temperature, return_entropy=True)
-    return module(mb.input_ids, cu_seqlens=mb.cu_seqlens, head=head)
-
-
-def processed_token_logprobs(module, mb: TrainBatch, temperature: float, top_k: int, top_p: float):
-    """(logp [T], entropy [T]) under the top-k / top-p filtered distribution at `temperature`.
-
-    The same quantity the engine returns with logprobs_mode="processed" (sampler.sequence_logprobs);
-    it needs the [T, V] logits (the filter sorts each row), so it is not fused. Entropy is that of
-    the unfiltered distribution, as in raw mode.
-    """
-    from rlengine.engine.sampler import sequence_logprobs
-
-    def head(hidden_TC, w_VC):
-        logits_TV = logits_fp32(hidden_TC, w_VC)
-        logp = sequence_logprobs(logits_TV, mb.targets, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 mode="processed")
-        full_TV = (logits_TV / temperature).log_softmax(dim=-1)
-        return logp, -(full_TV.exp() * full_TV).sum(dim=-1)
-    return module(mb.input_ids, cu_seqlens=mb.cu_seqlens, head=head)
+__all__ = ["Learner", "token_logprobs", "processed_token_logprobs"]  # the log-prob functions: re-exported
 
 
 class Learner:
@@ -79,10 +52,14 @@ class Learner:
         self.logprobs_mode, self.top_k, self.top_p = logprobs_mode, top_k, top_p
         # The KL reference is the policy as it is NOW (the trainer builds the learner after the
         # format warm start, so this is the policy at update 0); checkpoints save and restore it.
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        with_ref = cfg.kl_coef > 0 or cfg.kl_in_reward
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if with_ref else None
         self.critic = ValueModel(model) if cfg.algo == "ppo" else None
         self.parallel = cfg.parallel if cfg.parallel != "auto" else ("ddp" if self.dist.enabled else "none")
         self.actor_fwd, self.critic_fwd = self._parallelize()
+        # train.ref_offload: after _parallelize, whose broadcast needs the reference on the device
+        self.ref_stream = HostStreamedLayers(self.ref) if cfg.ref_offload and self.ref is not None else None
+        self.last_passes: list[dict] = []  # the last step()'s per-pass metrics (epochs x mini-batches)
         masters = use_master_weights(cfg.master_weights, model.dtype)
         self.ranges = PhaseRanges.for_device(model.device)  # learner.forward-backward / learner.optimizer
         self.optim = LearnerOptimizer(model.parameters(), lr=cfg.lr_effective, betas=cfg.betas,
@@ -149,49 +126,77 @@ class Learner:
             fsdp_shard(self.critic, list(self.critic.trunk.layers), lambda mod: mod(one, [0, 1]))
         return self.model, self.critic
 
-    def token_logprobs(self, module, mb: TrainBatch):
+    def token_logprobs(self, module, mb: TrainBatch, *, checkpoint_layers: bool = False):
         """Log-probs of mb.targets under the learner's definition (= the engine's logprobs_mode)."""
         if self.logprobs_mode == "processed" and (self.top_k > 0 or self.top_p < 1.0):
-            return processed_token_logprobs(module, mb, self.temperature, self.top_k, self.top_p)
-        return token_logprobs(module, mb, self.temperature, self.fused)
+            return processed_token_logprobs(module, mb, self.temperature, self.top_k, self.top_p, checkpoint_layers)
+        return token_logprobs(module, mb, self.temperature, self.fused, checkpoint_layers)
 
-    # ---- PPO advantages ---------------------------------------------------------------------
+    # ---- once per rollout batch, before the passes -------------------------------------------
     @torch.no_grad()
-    def ppo_advantages(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def ppo_advantages(self, batch: TrainBatch, kl_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Critic values and GAE on every response; writes whitened advantages into batch.advantages.
 
         A response's trained positions are the last n of its packed segment; the outcome reward
-        sits on its last token. Whitening uses the mean / std over the valid tokens of ALL ranks.
+        sits on its last token, and with kl_T (train.kl_in_reward) every token's reward is also
+        -kl_reward_coef * kl_t. Whitening uses the mean / std over the valid tokens of ALL ranks.
         Returns (old_values [T], returns [T]) for the value loss.
         """
         values_T = self.critic_fwd(batch.input_ids, batch.cu_seqlens)
-        segs = list(zip(batch.cu_seqlens, batch.cu_seqlens[1:]))
-        lens = [int(batch.loss_mask[a:e].sum()) for a, e in segs]
-        B, L = len(segs), max(lens, default=0)
-        v, m, r = (values_T.new_zeros(B, L) for _ in range(3))
-        for b, ((a, e), n) in enumerate(zip(segs, lens)):
-            v[b, :n], m[b, :n] = values_T[e - n:e], 1.0
-            if n:  # a masked (over-long) response has no trained token; with every one masked L = 0
-                r[b, n - 1] = batch.rewards[b]
-        adv_BL, ret_BL = gae(r, v, m, gamma=self.cfg.gamma, lam=self.cfg.lam)
-        adv_T, ret_T = torch.zeros_like(values_T), torch.zeros_like(values_T)
-        for b, ((a, e), n) in enumerate(zip(segs, lens)):
-            adv_T[e - n:e], ret_T[e - n:e] = adv_BL[b, :n], ret_BL[b, :n]
-        valid = batch.loss_mask > 0
-        a_valid = adv_T[valid].double()
-        n, s1, s2 = self.dist.all_sum([float(valid.sum()), float(a_valid.sum()), float((a_valid ** 2).sum())])
-        mu = s1 / max(n, 1.0)
-        sd = math.sqrt(max(s2 / max(n, 1.0) - mu * mu, 0.0))
-        batch.advantages = torch.where(valid, (adv_T - mu) / (sd + 1e-8), torch.zeros_like(adv_T))
+        adv_T, ret_T = packed_gae(batch, values_T, kl_T, gamma=self.cfg.gamma, lam=self.cfg.lam,
+                                  kl_coef=self.cfg.kl_reward_coef)
+        batch.advantages = whiten(adv_T, batch.loss_mask > 0, self.dist)
         return values_T, ret_T
 
-    # ---- the update -------------------------------------------------------------------------
+    @torch.no_grad()
+    def batch_logprobs(self, module, batch: TrainBatch) -> torch.Tensor:
+        """No-grad log-probs [T] of batch.targets under `module`, micro-batch by micro-batch (every rank
+        runs the same number of forwards, as in the passes)."""
+        parts = [self.token_logprobs(module, mb)[0] for mb in self._micro_batches(batch) if mb is not None]
+        for _ in range(len(self._micro_batches(batch)) - len(parts)):  # fillers: the collectives line up
+            self.token_logprobs(module, TrainBatch.filler(self.model.device))
+        return torch.cat(parts) if parts else batch.old_logprobs.new_zeros(0)
+
+    @torch.no_grad()
+    def prepare(self, batch: TrainBatch, *, critic_only: bool = False) -> dict:
+        """What every pass over `batch` shares, computed once: the learner's own pre-update log-probs and
+        the truncated rollout IS weights (train.rollout_is), the KL folded into the reward
+        (train.kl_in_reward), PPO's values, returns and GAE advantages, GRPO's batch whitening
+        (train.adv_whiten). Writes them into `batch`; returns their GLOBAL statistics."""
+        cfg, stats = self.cfg, {}
+        valid = batch.loss_mask > 0
+        if cfg.rollout_is != "none" and not critic_only:
+            batch.learner_old_logprobs = self.batch_logprobs(self.actor_fwd, batch)
+            batch.is_weights, raw = rollout_is_weights(batch.learner_old_logprobs, batch.old_logprobs, batch.loss_mask,
+                                                       batch.seq_ids, level=cfg.rollout_is, cap=cfg.rollout_is_cap)
+            stats.update(rollout_is_stats(raw, valid, cfg.rollout_is_cap, self.dist))
+        kl_T = None
+        if cfg.kl_in_reward:
+            old = batch.old_logprobs if batch.learner_old_logprobs is None else batch.learner_old_logprobs
+            kl_T = torch.where(valid, kl_penalty(old, self.batch_logprobs(self.ref, batch), cfg.kl_estimator), 0.0)
+            n, total = self.dist.all_sum([float(valid.sum()), float(kl_T.sum())])
+            stats["kl_reward"] = total / max(n, 1.0)
+        if self.critic is not None:
+            batch.old_values, batch.returns = self.ppo_advantages(batch, kl_T)
+        elif kl_T is not None:
+            batch.advantages = grpo_kl_advantages(batch, kl_T, coef=cfg.kl_reward_coef, group_size=cfg.group_size,
+                                                  normalize_std=cfg.normalize_std)
+        if cfg.adv_whiten == "batch":
+            batch.advantages = whiten(batch.advantages, valid, self.dist)
+        return stats
+
+    # ---- one gradient pass ---------------------------------------------------------------------
     def _global_counts(self, batch: TrainBatch) -> tuple[float, float]:
         """(loss normaliser, valid tokens) over the GLOBAL batch (all ranks, one reduction): the
-        normaliser is the valid-token count (token-mean) or the valid-sequence count (seq-mean)."""
+        normaliser is the valid-token count (token-mean), the valid-sequence count (seq-mean) or the
+        sequence count (seq-mean-token-sum-norm: Dr. GRPO's constant, whatever the responses' masks)."""
         tokens = float(batch.loss_mask.sum())
-        seqs = tokens if self.cfg.agg == "token-mean" else float(
-            len({int(s) for s in batch.seq_ids[batch.loss_mask > 0].tolist()}))
+        if self.cfg.agg == "token-mean":
+            seqs = tokens
+        elif self.cfg.agg == "seq-mean-token-sum-norm":
+            seqs = float(batch.num_seqs)
+        else:
+            seqs = float(len({int(s) for s in batch.seq_ids[batch.loss_mask > 0].tolist()}))
         seqs, tokens = self.dist.all_sum([seqs, tokens])
         # >= 1: a batch with no trained token (every response masked as over-long) has loss 0, not 0/0
         return max(1.0, seqs), max(1.0, tokens)
@@ -208,91 +213,107 @@ class Learner:
         return mbs + [None] * (count - len(mbs))
 
     def compute_grads(self, batch: TrainBatch, *, critic_only: bool = False) -> dict:
-        """Zero grads, accumulate gradients over micro-batches; returns GLOBAL metrics (no optimizer step).
+        """prepare(batch), then one gradient pass over all of it (grads only, no optimizer step)."""
+        stats = self.prepare(batch, critic_only=critic_only)
+        return {**self.pass_grads(batch, critic_only=critic_only), **stats}
+
+    def pass_grads(self, batch: TrainBatch, *, critic_only: bool = False) -> dict:
+        """Zero grads, accumulate gradients over micro-batches of a prepared batch; returns GLOBAL metrics.
 
         Every loss is normalised by the global count, and multiplied by the world size because DDP
         and FSDP average gradients over ranks: the summed gradient equals one process's full-batch
         gradient. A rank with fewer (or no) micro-batches runs zero-weight ones (TrainBatch.filler).
         """
-        cfg, world = self.cfg, self.dist.world
         self.optim.zero_grad()
-        old_values = returns = None
         if self.critic is not None:
             self.critic_optim.zero_grad()
-            old_values, returns = self.ppo_advantages(batch)
         norm, ntok = self._global_counts(batch)
-        sums = {"clip_frac": 0.0, "approx_kl": 0.0, "entropy": 0.0, "kl_ref": 0.0, "logprob_diff": 0.0,
-                "loss": 0.0, "pg_loss": 0.0, "value_loss": 0.0, "routing_disagreement": 0.0}
+        sums = dict.fromkeys(("clip_frac", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl",
+                              "ratio_mean", "entropy", "kl_ref", "logprob_diff", "loss", "pg_loss", "value_loss",
+                              "routing_disagreement"), 0.0)
+        ratio_max = 0.0
         mbs = self._micro_batches(batch)
-        start = 0
         for i, mb in enumerate(mbs):
             # DDP: forward and backward of every micro-batch but the last inside no_sync, so the
             # gradients are all-reduced once per update, not once per micro-batch
             with self._no_sync(last=i == len(mbs) - 1):
                 filler = mb is None
-                if filler:
-                    mb = TrainBatch.filler(self.model.device)
-                    a = b = 0
-                else:
-                    a, b = mb.cu_seqlens[0] + start, mb.cu_seqlens[-1] + start
-                    start = b
-                w = float(mb.loss_mask.sum()) / ntok
-                loss = torch.zeros((), device=mb.input_ids.device)
-                if not critic_only:
-                    if self.replay_routing:
-                        self._set_replay(mb)
-                    logp, ent = self.token_logprobs(self.actor_fwd, mb)
-                    self._set_replay(None)
-                    pl, m = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.seq_ids,
-                                        clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.agg, normalizer=norm)
-                    loss = loss + pl
-                    sums["pg_loss"] += float(pl.detach())
-                    if cfg.entropy_coef:
-                        loss = loss - cfg.entropy_coef * masked_aggregate(ent, mb.loss_mask, mb.seq_ids, agg=cfg.agg,
-                                                                          normalizer=norm)
-                    if self.ref is not None:
-                        with torch.no_grad():
-                            ref_logp, _ = self.token_logprobs(self.ref, mb)
-                        kl = masked_aggregate(kl_k3(logp, ref_logp), mb.loss_mask, mb.seq_ids, agg=cfg.agg,
-                                              normalizer=norm)
-                        loss = loss + cfg.kl_coef * kl
-                        sums["kl_ref"] += float(kl.detach())
-                    valid = mb.loss_mask > 0
-                    sums["logprob_diff"] += float((logp.detach() - mb.old_logprobs)[valid].abs().sum())
-                    sums["entropy"] += float((ent.detach() * mb.loss_mask).sum())
-                    if not filler:
-                        sums["clip_frac"] += float(m["clip_frac"]) * w
-                        sums["approx_kl"] += float(m["approx_kl"]) * w
-                    blocks = self.model.moe_blocks()
-                    if self.replay_routing and blocks and blocks[0].last_disagreement is not None and not filler:
-                        sums["routing_disagreement"] += sum(float(bk.last_disagreement) for bk in blocks) / len(blocks) * w
-                critic_loss = None
-                if self.critic is not None:
-                    values = self.critic_fwd(mb.input_ids, mb.cu_seqlens)
-                    ov = values.detach() if filler else old_values[a:b]
-                    rt = values.detach() if filler else returns[a:b]
-                    vl, _ = value_loss(values, ov, rt, mb.loss_mask, mb.seq_ids, clip=cfg.vf_clip, agg=cfg.agg,
-                                       normalizer=norm)
-                    critic_loss = cfg.vf_coef * vl
-                    sums["value_loss"] += float(vl.detach())
+                mb = TrainBatch.filler(self.model.device) if filler else mb
+                loss, critic_loss, mb_max = self._micro_losses(mb, filler, norm, ntok, sums, critic_only)
+                ratio_max = max(ratio_max, mb_max)
                 # actor and critic share no parameters: two backward passes (FSDP2 finalises one root's
                 # gradients per backward), the same gradients as one pass over their sum
                 if loss.requires_grad:
-                    (loss * world).backward()
+                    (loss * self.dist.world).backward()
                 if critic_loss is not None:
-                    (critic_loss * world).backward()
+                    (critic_loss * self.dist.world).backward()
                     loss = loss + critic_loss.detach()
+                self._set_replay(None)
             self.optim.accumulate()
             if self.critic_optim is not None:
                 self.critic_optim.accumulate()
             sums["loss"] += float(loss.detach())
         keys = list(sums)
         sums = dict(zip(keys, self.dist.all_sum([sums[k] for k in keys])))
+        sums["ratio_max"] = self.dist.all_max([ratio_max])[0]
         sums["logprob_diff"] /= ntok
         sums["entropy"] /= ntok
-        sums["vf_explained_var"] = None if returns is None else explained_variance(
-            self.dist.all_sum(explained_variance_sums(old_values, returns, batch.loss_mask > 0)))
+        sums["vf_explained_var"] = None if batch.returns is None else explained_variance(
+            self.dist.all_sum(explained_variance_sums(batch.old_values, batch.returns, batch.loss_mask > 0)))
         return sums
+
+    def _micro_losses(self, mb: TrainBatch, filler: bool, norm: float, ntok: float, sums: dict, critic_only: bool):
+        """(actor loss, critic loss or None, ratio max) of one micro-batch; adds its metrics into `sums`."""
+        cfg = self.cfg
+        agg = dict(agg=cfg.agg, normalizer=norm, norm_len=cfg.loss_norm_len)
+        loss, ratio_max = torch.zeros((), device=mb.input_ids.device), 0.0
+        if not critic_only:
+            loss, ratio_max = self._policy_loss(mb, filler, agg, ntok, sums)
+        critic_loss = None
+        if self.critic is not None:
+            values = self.critic_fwd(mb.input_ids, mb.cu_seqlens, checkpoint_layers=cfg.activation_checkpointing)
+            ov = values.detach() if filler else mb.old_values
+            rt = values.detach() if filler else mb.returns
+            vl, _ = value_loss(values, ov, rt, mb.loss_mask, mb.seq_ids, clip=cfg.vf_clip, **agg)
+            critic_loss = cfg.vf_coef * vl
+            sums["value_loss"] += float(vl.detach())
+        return loss, critic_loss, ratio_max
+
+    def _policy_loss(self, mb: TrainBatch, filler: bool, agg: dict, ntok: float, sums: dict):
+        """The policy's loss on one micro-batch (surrogate, entropy bonus, KL term) and its ratio max."""
+        cfg = self.cfg
+        w = float(mb.loss_mask.sum()) / ntok
+        if self.replay_routing:
+            self._set_replay(mb)
+        # replayed routing stays set until pass_grads' backward: with activation checkpointing the
+        # backward runs each MoE layer again and must route as the forward did
+        logp, ent = self.token_logprobs(self.actor_fwd, mb, checkpoint_layers=cfg.activation_checkpointing)
+        # the ratio's denominator: the learner's own pre-update log-probs when prepare() made them (rollout
+        # IS), else the engine's behaviour log-probs (one pass: ratio = 1 up to the engine-learner gap)
+        old = mb.old_logprobs if mb.learner_old_logprobs is None else mb.learner_old_logprobs
+        pl, m = policy_loss(logp, old, mb.advantages, mb.loss_mask, mb.seq_ids, clip_low=cfg.clip_low,
+                            clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, weights=mb.is_weights, **agg)
+        loss = pl
+        sums["pg_loss"] += float(pl.detach())
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * masked_aggregate(ent, mb.loss_mask, mb.seq_ids, **agg)
+        if self.ref is not None and cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref_logp, _ = self.token_logprobs(self.ref, mb)
+            kl = masked_aggregate(kl_penalty(logp, ref_logp, cfg.kl_estimator), mb.loss_mask, mb.seq_ids, **agg)
+            loss = loss + cfg.kl_coef * kl
+            sums["kl_ref"] += float(kl.detach())
+        valid = mb.loss_mask > 0
+        sums["logprob_diff"] += float((logp.detach() - mb.old_logprobs)[valid].abs().sum())
+        sums["entropy"] += float((ent.detach() * mb.loss_mask).sum())
+        if filler:
+            return loss, 0.0
+        for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean"):
+            sums[k] += float(m[k]) * w
+        blocks = self.model.moe_blocks()
+        if self.replay_routing and blocks and blocks[0].last_disagreement is not None:
+            sums["routing_disagreement"] += sum(float(bk.last_disagreement) for bk in blocks) / len(blocks) * w
+        return loss, float(m["ratio_max"]) if bool(valid.any()) else 0.0
 
     def _no_sync(self, *, last: bool):
         """DDP without master weights: gradients accumulate locally and are reduced once, at the last
@@ -306,18 +327,28 @@ class Learner:
         return stack
 
     def step(self, batch: TrainBatch, *, critic_only: bool = False, phases=None) -> dict:
-        """One full update: gradients, clipping, non-finite check, optimizer step(s). Returns metrics.
+        """All updates of one rollout batch: prepare(), then train.ppo_epochs passes over its
+        train.mini_batches parts, each gradients, clipping, non-finite check, optimizer step(s).
+        Returns the metrics merged over the passes (update.combine_passes; self.last_passes keeps each).
 
         `phases` (optional, e.g. telemetry.NvmlSampler) gets set_phase("forward-backward" / "optimizer").
         """
-        if phases is not None:
-            phases.set_phase("forward-backward")
-        with self.ranges("learner.forward-backward"):
-            metrics = self.compute_grads(batch, critic_only=critic_only)
-        if phases is not None:
-            phases.set_phase("optimizer")
-        with self.ranges("learner.optimizer"):
-            return self._apply(metrics, critic_only)
+        passes, stats, parts = [], {}, None
+        for _ in range(self.cfg.ppo_epochs):
+            for i in range(self.cfg.mini_batches):
+                if phases is not None:
+                    phases.set_phase("forward-backward")
+                with self.ranges("learner.forward-backward"):
+                    if parts is None:  # once per rollout batch, inside the first pass's range; split
+                        stats = self.prepare(batch, critic_only=critic_only)  # after it rewrote the batch
+                        parts = batch.split(self.cfg.mini_batches)
+                    metrics = self.pass_grads(parts[i], critic_only=critic_only)
+                if phases is not None:
+                    phases.set_phase("optimizer")
+                with self.ranges("learner.optimizer"):
+                    passes.append(self._apply(metrics, critic_only))
+        self.last_passes = passes
+        return {**combine_passes(passes), **stats}
 
     def _apply(self, metrics: dict, critic_only: bool) -> dict:
         """Clip, check for non-finite values, step the optimizer(s): the tail of step()."""

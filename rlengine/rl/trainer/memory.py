@@ -31,11 +31,13 @@ def plan_for_config(tc, *, device_bytes: int, max_model_len: int, activations: i
     name = tc.model.name
     cfg = load_config(name) if Path(name).is_dir() else preset(name)
     t, g = tc.train, tc.gen
-    micro = t.micro_batch or t.b_train
+    mini = -(-t.b_train // t.mini_batches)  # sequences of one optimizer step (train.mini_batches parts)
+    micro = min(t.micro_batch, mini) if t.micro_batch else mini
     return plan_memory(
         cfg, device_bytes=device_bytes, dtype=tc.model.dtype, max_model_len=max_model_len,
         micro_batch_tokens=micro * max_model_len, block_size=g.block_size, master_weights=t.master_weights,
-        critic=t.algo == "ppo", kl_reference=t.kl_coef > 0,
+        critic=t.algo == "ppo", kl_reference=t.kl_coef > 0 or t.kl_in_reward, ref_offload=t.ref_offload,
+        activation_checkpointing=t.activation_checkpointing,
         materialized_logits=g.logprobs_mode == "processed" and g.filtered, activations=activations,
         reserve=(GiB if device_type == "cuda" else 64 * 2**20) if reserve is None else reserve, alpha=alpha,
         b_gen=g.b_gen, group_size=t.group_size, fsdp_shards=world_size if t.parallel == "fsdp" else 1).check()

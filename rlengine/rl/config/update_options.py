@@ -1,0 +1,71 @@
+"""The [train] settings that shape how one rollout batch becomes updates: passes, loss form, corrections.
+
+TrainSection (sections.py) inherits these fields, so they are ordinary train.* keys. They sit apart
+because they all change the policy update inside Learner.step, not the job around it: PPO epochs
+and mini-batches, the KL estimator and where the KL goes (loss or reward), dual-clip, Dr. GRPO's
+constant normaliser, batch whitening, rollout importance sampling, and two memory knobs (layer
+checkpointing, a host-resident KL reference). Every default reproduces the one-pass update the
+learner ran before these options existed. The verl / TRL names are in the README's option table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlengine.config import ConfigError
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(slots=True, kw_only=True)
+class UpdateOptions:
+    """Policy-update settings of [train] (see the module docstring)."""
+
+    ppo_epochs: int = 1                  # passes over each rollout batch
+    # optimizer steps per pass: the batch split into this many parts of whole sequences (several ranks:
+    # mini-batch i is every rank's i-th part of its own share, so which responses share a step differs
+    # from one process's split; ppo_epochs alone keeps the one-process equality)
+    mini_batches: int = 1
+    kl_estimator: str = "k3"             # k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10], as verl)
+    # KL folded into the token reward (PPO-style), with its OWN coefficient kl_reward_coef (train.kl_coef
+    # stays the loss term's); both may be on. GRPO: each response's score becomes reward - coef * sum_t kl_t
+    kl_in_reward: bool = False
+    kl_reward_coef: float = 0.001
+    clip_ratio_c: float | None = None    # dual-clip bound for negative advantages (> 1); None = off
+    loss_norm_len: int = 0               # seq-mean-token-sum-norm's constant length; 0 = gen.max_tokens
+    adv_whiten: str = "none"             # none | batch: GRPO advantages whitened over the batch's tokens
+    rollout_is: str = "none"             # none | token | sequence: truncated IS weights learner_old / engine
+    rollout_is_cap: float = 2.0          # truncation of the rollout IS weights
+    activation_checkpointing: bool = False  # recompute each decoder layer in the backward
+    ref_offload: bool = False            # KL reference's decoder layers on the host, streamed per layer
+
+    def check_update_options(self, *, algo: str, parallel: str, credit: str, b_train: int) -> None:
+        """Validate the fields above (TrainSection.__post_init__ calls this); raises ConfigError."""
+        _check(self.ppo_epochs >= 1, f"train.ppo_epochs must be >= 1, got {self.ppo_epochs}")
+        _check(1 <= self.mini_batches <= b_train,
+               f"train.mini_batches must be in [1, B_train = {b_train}], got {self.mini_batches}")
+        _check(self.kl_estimator in KL_ESTIMATORS,
+               f"train.kl_estimator must be {'|'.join(KL_ESTIMATORS)}, got {self.kl_estimator!r}")
+        _check(self.kl_reward_coef >= 0, f"train.kl_reward_coef must be >= 0, got {self.kl_reward_coef}")
+        _check(not self.kl_in_reward or self.kl_reward_coef > 0,
+               "train.kl_in_reward = true needs train.kl_reward_coef > 0")
+        _check(not (self.kl_in_reward and credit == "token"),
+               "train.kl_in_reward works on sequence credit; train.credit = 'token' has its own token advantages")
+        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1.0,
+               f"train.clip_ratio_c must be > 1 (or unset for no dual-clip), got {self.clip_ratio_c}")
+        _check(self.loss_norm_len >= 0, f"train.loss_norm_len must be >= 0 (0 = gen.max_tokens), got {self.loss_norm_len}")
+        _check(self.adv_whiten in ("none", "batch"), f"train.adv_whiten must be none|batch, got {self.adv_whiten!r}")
+        _check(self.adv_whiten == "none" or algo == "grpo",
+               "train.adv_whiten = 'batch' is a GRPO option (PPO always whitens its GAE advantages)")
+        _check(self.rollout_is in ("none", "token", "sequence"),
+               f"train.rollout_is must be none|token|sequence, got {self.rollout_is!r}")
+        _check(self.rollout_is_cap >= 1.0, f"train.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
+        _check(not (self.ref_offload and parallel == "fsdp"),
+               "train.ref_offload streams a whole reference per layer; with train.parallel = 'fsdp' the reference "
+               "is sharded instead (leave ref_offload false)")
