@@ -96,7 +96,7 @@ def test_verl_fields_by_hand():
     assert (f["critic/advantages/max"], f["critic/advantages/min"]) == (2.0, -1.5)
     assert (f["response_length/mean"], f["response_length/max"], f["response_length/min"]) == (16 / 3, 8, 3)
     assert f["response_length/clip_ratio"] == 1 / 3 and (f["prompt_length/mean"], f["prompt_length/max"]) == (5, 7)
-    assert _fields({**m, "clip_frac_low": 0.125})["actor/pg_clipfrac_lower"] == 0.125
+    assert _fields({**m, "clip_frac_dual": 0.125})["actor/pg_clipfrac_lower"] == 0.125
     # a critic-only update has no actor terms; a job without a critic no value loss
     assert all(v is None for k, v in _fields(m, critic_only=True).items() if k.startswith("actor/"))
     assert _fields(m, has_critic=False)["critic/vf_loss"] is None

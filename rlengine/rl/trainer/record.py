@@ -62,7 +62,12 @@ def update_record(*, update: int, n: int, critic_only: bool, b_train: int, stats
     seqs, overlong, penalty = dist.all_sum([float(num_seqs), float(overlong), penalty])
     rewards = torch.tensor(stats.rewards, dtype=torch.float64)  # every rank's, in global order
     t_gen, t_train = times.t_gen, times.t_train
-    actor = {k: m[k] for k in ("loss", "kl_ref", "logprob_diff", "routing_disagreement")}
+    # the update options' statistics (rl/config/update_options.py): clip split, ratio over passes,
+    # KL-in-reward, rollout importance weights; absent keys (older learners) log None
+    actor = {k: m.get(k) for k in ("loss", "kl_ref", "logprob_diff", "routing_disagreement", "clip_frac_low",
+                                   "clip_frac_high", "clip_frac_dual", "ratio_mean", "ratio_max", "kl_reward",
+                                   "rollout_is_mean", "rollout_is_max", "rollout_is_capped_frac",
+                                   "skipped_passes")}
     actor = dict.fromkeys(actor) if critic_only else actor  # a critic-only update has no actor terms
     record = {
         "update": update, "N": n, "critic_only": critic_only, "skipped": m["skipped"],

@@ -40,9 +40,9 @@ def _stats(values: list) -> tuple:
 
 def actor_fields(m: dict, *, critic_only: bool) -> dict:
     """The policy's terms of the learner metrics `m`; None on a critic-only update (no actor step).
-    clip_frac_low (clipped below 1 - clip_low) is read when the learner reports it."""
+    actor/pg_clipfrac_lower is verl's: the fraction held by the dual clip (train.clip_ratio_c), 0 without it."""
     fields = {"actor/pg_loss": m["pg_loss"], "actor/entropy": m["entropy"], "actor/pg_clipfrac": m["clip_frac"],
-              "actor/pg_clipfrac_lower": m.get("clip_frac_low"), "actor/ppo_kl": m["approx_kl"],
+              "actor/pg_clipfrac_lower": m.get("clip_frac_dual"), "actor/ppo_kl": m["approx_kl"],
               "actor/kl_loss": m["kl_ref"], "actor/grad_norm": m["actor_grad_norm"]}
     return {k: None for k in fields} if critic_only else fields
 
