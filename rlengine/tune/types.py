@@ -59,7 +59,7 @@ class TuneSpec:
         for key in ("ppo_epochs", "mini_batches"):
             if train.get(key, 1) != 1:
                 raise ValueError(f"tune: the job sets train.{key} = {train[key]}, but the tuner's accounting "
-                                 "(PAPER.md: the sqrt LR rule, r_N, N per update) assumes ONE optimizer update per "
+                                 "(docs/METHOD.md: the sqrt LR rule, r_N, N per update) assumes ONE optimizer update per "
                                  f"rollout batch; tune the job with train.{key} = 1")
 
 
