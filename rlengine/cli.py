@@ -35,6 +35,10 @@ def _cmd_info(args) -> int:
         from rlengine.config import ConfigError
 
         raise ConfigError(f"{args.overrides[0]}: config overrides need --plan CONFIG (they change that config)")
+    if args.kernels:  # the CPU kernel choices of a model's decode shapes (model/kernel_choice.py)
+        from rlengine.benchmarks.kernel_table import kernels_info
+
+        return kernels_info(args.kernels, args.kernels_dtype, args.cpu_kernels, args.save)
     if args.plan:  # the per-device memory plan of a training config, and its B_KV
         from rlengine.analysis.memory_plan import GiB
         from rlengine.rl.trainer.memory import device_memory, engine_max_model_len, plan_for_config
@@ -364,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "overrides apply to it (--plan gsm8k --model.name DIR)")
     p.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                    help="device memory for --plan in GiB (default: this CUDA device's, else this machine's RAM)")
+    p.add_argument("--kernels", default=None, metavar="PRESET",
+                   help="time and print the CPU kernel choices of a preset's decode shapes (B_act 1-64)")
+    p.add_argument("--kernels-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="dtype for --kernels (default: %(default)s)")
+    p.add_argument("--cpu-kernels", default="cache", metavar="SETTING",
+                   help="for --kernels: cache | measure | torch | skinny | TABLE.json (default: %(default)s)")
+    p.add_argument("--save", default=None, metavar="PATH", help="for --kernels: write the table (a .json to pin)")
     p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("demo", help="greedy generation from a preset or checkpoint through the plain forward")

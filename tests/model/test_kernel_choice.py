@@ -140,3 +140,19 @@ def test_the_learner_path_keeps_the_reference_logits(monkeypatch):
     w = torch.randn(40, 16)
     ops.logits_fp32(h, w).sum().backward()
     assert choices.table == {} and h.grad is not None
+
+
+def test_info_kernels_prints_and_saves_a_table_that_pins(monkeypatch, tmp_path, capsys):
+    from rlengine.benchmarks.kernel_table import ROWS, kernels_info
+
+    monkeypatch.setattr(ops, "KERNELS", kc.KernelChoices("measure"))
+    assert kernels_info("tiny", "float32", "measure", str(tmp_path / "t.json")) == 0
+    out = capsys.readouterr().out
+    table = json.loads((tmp_path / "t.json").read_text())["table"]
+    shapes = kc.projection_shapes(__import__("rlengine.config", fromlist=["preset"]).preset("tiny"))
+    assert len(table) == len(shapes) * len({kc.rows_class(r) for r in ROWS})
+    assert all(key in out for key in table) and "vs torch" in out
+    kc.configure_from_setting(ops.KERNELS, str(tmp_path / "t.json"))
+    x, w = torch.randn(3, 64), torch.randn(*shapes["qkv"])
+    ops.linear_nograd(x, w)  # a pinned class: no timing, no error
+    assert ops.KERNELS.mode == "pinned"

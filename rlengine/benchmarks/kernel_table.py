@@ -1,0 +1,44 @@
+"""`rlengine info --kernels MODEL`: the CPU kernel choices for a model's decode shapes, with their timings.
+
+Decides (model/kernel_choice.decide_for_model) every projection and LM-head shape class of the model
+for B_act 1-8, 16, 32, 64 on random weights, through the setting the user would run with (cache by
+default: a table already on disk is shown, not re-timed), and prints one line per class: the choice,
+each candidate's median ms and the chosen one's ratio to torch's. --save writes the table, which
+`cpu_kernels=PATH` / `--gen.cpu_kernels PATH` then pins.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]
+
+
+def format_table(table: dict) -> list[str]:
+    names = ("torch", "skinny", "upcast")
+    lines = [f"  {'shape class':40s} {'choice':7s} " + " ".join(f"{n + ' ms':>10s}" for n in names)
+             + f" {'vs torch':>9s} source"]
+    for key, d in sorted(table.items()):
+        ms = d.get("ms") or {}
+        cells = " ".join(f"{ms[n]:10.3f}" if n in ms else f"{'-':>10s}" for n in names)
+        ratio = f"{ms[d['impl']] / ms['torch']:9.2f}" if ms.get("torch") and d["impl"] in ms else f"{'-':>9s}"
+        lines.append(f"  {key:40s} {d['impl']:7s} {cells} {ratio} {d.get('source', '')}")
+    return lines
+
+
+def kernels_info(model: str, dtype: str, setting: str = "cache", save: str | None = None) -> int:
+    from rlengine.config import preset
+    from rlengine.model import ops
+    from rlengine.model.kernel_choice import configure_from_setting, decide_for_model, machine_key
+
+    cfg = preset(model)
+    configure_from_setting(ops.KERNELS, setting)
+    table = decide_for_model(cfg, getattr(torch, dtype), ROWS)
+    m = machine_key()
+    print(f"CPU kernel choices for {model} ({dtype}) on {m['cpu']} (flags {m['flags_sha1']}), torch {m['torch']}, "
+          f"{m['threads']} threads; mode {ops.KERNELS.mode}"
+          + (f", cache {ops.KERNELS.cache_path()}" if ops.KERNELS.cache_dir else ""))
+    print("\n".join(format_table(table)))
+    if save:
+        print(f"saved: {ops.KERNELS.save(save)} (pin it with --gen.cpu_kernels {save})")
+    return 0
