@@ -1,6 +1,6 @@
 """`rlengine info --kernels MODEL`: the CPU kernel choices for a model's decode shapes, with their timings.
 
-Decides (model/kernel_choice.decide_for_model) every projection and LM-head shape class of the model
+Decides (model/ops.decide_for_model) every projection and LM-head shape class of the model
 for B_act 1-8, 16, 32, 64 on random weights, through the setting the user would run with (cache by
 default: a table already on disk is shown, not re-timed), and prints one line per class: the choice,
 each candidate's median ms and the chosen one's ratio to torch's. --save writes the table, which
@@ -29,7 +29,8 @@ def format_table(table: dict) -> list[str]:
 def kernels_info(model: str, dtype: str, setting: str = "cache", save: str | None = None) -> int:
     from rlengine.config import preset
     from rlengine.model import ops
-    from rlengine.model.kernel_choice import configure_from_setting, decide_for_model, machine_key
+    from rlengine.model.kernel_choice import configure_from_setting, machine_key
+    from rlengine.model.ops import decide_for_model
 
     cfg = preset(model)
     configure_from_setting(ops.KERNELS, setting)

@@ -222,22 +222,3 @@ def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
         shapes.update(gate_up=(2 * cfg.intermediate_size, C), down=(C, cfg.intermediate_size))
     return shapes
 
-
-def decide_for_model(cfg, dtype: torch.dtype, rows: list[int], *, logits_rows: list[int] | None = None) -> dict:
-    """Decide every (shape, rows class) a CPU engine on model config `cfg` meets, now, with random
-    weights of those shapes: rows for the projections (decode batches and prefill chunks),
-    logits_rows (default: rows <= 512) for the LM head. Uses and fills rlengine.model.ops.KERNELS;
-    returns its table. A multi-rank job runs this on rank 0 and pins the result on every rank."""
-    from rlengine.model import ops
-
-    g = torch.Generator().manual_seed(0)
-    logits_rows = logits_rows if logits_rows is not None else [r for r in rows if r <= 512]
-    classes = sorted({int(rows_class(r)) for r in rows})
-    for name, (N, K) in projection_shapes(cfg).items():
-        w = torch.randn(N, K, generator=g).to(dtype)
-        wanted = sorted({int(rows_class(r)) for r in logits_rows}) if name == "lm_head" else classes
-        for r in wanted:
-            x = torch.randn(r, K, generator=g).to(dtype)
-            with torch.no_grad():
-                ops.logits_fp32(x, w, engine=True) if name == "lm_head" else ops.linear_nograd(x, w)
-    return ops.KERNELS.to_dict()

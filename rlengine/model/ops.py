@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from rlengine import _ext
-from rlengine.model.kernel_choice import KernelChoices, shape_key
+from rlengine.model.kernel_choice import KernelChoices, projection_shapes, rows_class, shape_key
 
 FUSED = all(_ext.has_op(op) for op in ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul"))
 SKINNY = _ext.has_op("skinny_linear") and _ext.has_op("skinny_logits")
@@ -123,6 +123,24 @@ def logits_fp32(h_BC: torch.Tensor, w_VC: torch.Tensor, *, engine: bool = False)
     if impl == "upcast":
         return _upcast_matmul(h_BC, w_VC, torch.float32)
     return F.linear(h_BC.float(), w_VC.float())
+
+
+def decide_for_model(cfg, dtype: torch.dtype, rows: list[int], *, logits_rows: list[int] | None = None) -> dict:
+    """Decide every (shape, rows class) a CPU engine on model config `cfg` meets, now, with random
+    weights of those shapes: rows for the projections (decode batches and prefill chunks),
+    logits_rows (default: rows <= 512) for the LM head. Uses and fills KERNELS;
+    returns its table. A multi-rank job runs this on rank 0 and pins the result on every rank."""
+    g = torch.Generator().manual_seed(0)
+    logits_rows = logits_rows if logits_rows is not None else [r for r in rows if r <= 512]
+    classes = sorted({int(rows_class(r)) for r in rows})
+    for name, (N, K) in projection_shapes(cfg).items():
+        w = torch.randn(N, K, generator=g).to(dtype)
+        wanted = sorted({int(rows_class(r)) for r in logits_rows}) if name == "lm_head" else classes
+        for r in wanted:
+            x = torch.randn(r, K, generator=g).to(dtype)
+            with torch.no_grad():
+                logits_fp32(x, w, engine=True) if name == "lm_head" else linear_nograd(x, w)
+    return KERNELS.to_dict()
 
 
 def _mm_has_out_dtype() -> bool:

@@ -112,12 +112,11 @@ def _agree_on_cpu_kernels(model: Qwen3ForCausalLM, max_seqs: int, max_tokens: in
     """Several CPU ranks: rank 0 times every projection shape class its engines can meet and every
     rank pins that table (torch's linear for anything outside it), so all ranks decode alike."""
     from rlengine.model import ops
-    from rlengine.model.kernel_choice import decide_for_model
 
     rows = sorted({*range(1, 9), *(1 << k for k in range(4, max(4, max_tokens - 1).bit_length() + 1))})
     table = None
     if dist.rank == 0:
-        table = decide_for_model(model.config, model.lm_head.weight.dtype, rows,
+        table = ops.decide_for_model(model.config, model.lm_head.weight.dtype, rows,
                                  logits_rows=[r for r in rows if r <= max(8, max_seqs)])
     table = dist.all_gather_objects(table)[0]
     ops.KERNELS.configure("torch", table=table)
