@@ -60,7 +60,8 @@ from rlengine.engine.block_manager import BlockManager, BlockPool
 from rlengine.engine.cuda_graph import CudaGraph, DecodeGraphs, unsupported_reason
 from rlengine.engine.detokenizer import Detokenizer
 from rlengine.engine.kv_cache import KVCache, KVPool, bytes_per_block
-from rlengine.engine.llm_args import _as_dtype, _build_model, _check_vllm_args, _progress_bar, _tokenizer
+from rlengine.engine.llm_args import (DEFAULT_CPU_KV_BYTES, _as_dtype, _build_model, _check_vllm_args,
+                                     _progress_bar, _tokenizer, default_num_blocks)
 from rlengine.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
 from rlengine.engine.outputs import GenerateResult, Logprob, RequestOutput, RequestState
 from rlengine.engine.prompts import Prompt, chat_prompts, parse_prompt, prompt_list
@@ -76,7 +77,6 @@ from rlengine.model.tokenizer import Tokenizer
 from rlengine.telemetry.nvtx import PhaseRanges
 from rlengine.telemetry.records import StepRecord
 
-DEFAULT_CPU_KV_BYTES = 256 * 2**20  # the CPU pool's cap when nothing sizes it: RAM is shared with everything else
 PENDING = -1  # overlap: token_ids placeholder of a token still being sampled (never a real token id)
 
 
@@ -171,7 +171,8 @@ class LLM:
     def _new_kv_pool(self, num_kv_blocks, kv_cache_memory, max_num_seqs, block_size) -> KVPool:
         per_block = bytes_per_block(self.config, block_size, self.model.dtype)
         if num_kv_blocks is None:
-            num_kv_blocks = self._default_num_blocks(kv_cache_memory, per_block, max_num_seqs, block_size)
+            num_kv_blocks = default_num_blocks(self.device, self.gpu_memory_utilization, self.max_model_len,
+                                               kv_cache_memory, per_block, max_num_seqs, block_size)
         if num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
         cache = KVCache(self.config, num_kv_blocks, block_size, self.model.dtype, self.device)
@@ -199,21 +200,6 @@ class LLM:
         """Capture every decode bucket now (otherwise each is captured on first use, inside a step)."""
         if self.runner.graphs is not None:
             self.runner.graphs.capture_all()
-
-    def _default_num_blocks(self, budget, per_block, max_num_seqs, block_size) -> int:
-        if budget is None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.8)
-            u = self.gpu_memory_utilization
-            if u is not None:
-                budget = int(u * total) - (total - free)  # vLLM: u x total for this engine, weights included
-                if budget < per_block:
-                    raise ValueError(f"gpu_memory_utilization={u}: {u} x {total / 2**30:.1f} GiB leaves no room for "
-                                     f"a KV block after the {(total - free) / 2**30:.1f} GiB already in use; raise it")
-        if budget is None:
-            need = max_num_seqs * -(-self.max_model_len // block_size)
-            return max(1, min(need, DEFAULT_CPU_KV_BYTES // per_block))
-        return budget // per_block
 
     @property
     def attention_backend(self) -> str:

@@ -75,3 +75,26 @@ def _progress_bar(use_tqdm, total: int):
     else:
         from tqdm.auto import tqdm as make
     return make(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+DEFAULT_CPU_KV_BYTES = 256 * 2**20  # the CPU pool's cap when nothing sizes it: RAM is shared with everything else
+
+
+def default_num_blocks(device, gpu_memory_utilization, max_model_len, budget, per_block, max_num_seqs,
+                       block_size) -> int:
+    """KV blocks when the caller gave no count: kv_cache_memory (`budget`) if set; on CUDA 80% of free
+    memory, or vLLM's gpu_memory_utilization x total; on the CPU enough for max_num_seqs full-length
+    sequences, capped at DEFAULT_CPU_KV_BYTES."""
+    if budget is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(free * 0.8)
+        u = gpu_memory_utilization
+        if u is not None:
+            budget = int(u * total) - (total - free)  # vLLM: u x total for this engine, weights included
+            if budget < per_block:
+                raise ValueError(f"gpu_memory_utilization={u}: {u} x {total / 2**30:.1f} GiB leaves no room for "
+                                 f"a KV block after the {(total - free) / 2**30:.1f} GiB already in use; raise it")
+    if budget is None:
+        need = max_num_seqs * -(-max_model_len // block_size)
+        return max(1, min(need, DEFAULT_CPU_KV_BYTES // per_block))
+    return budget // per_block
