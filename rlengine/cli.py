@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from rlengine.cli_info import cmd_info as _cmd_info
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="preset name (see `rlengine info`) or HF checkpoint directory")
@@ -23,70 +25,6 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="the job's TOML file, or a packaged config name such as gsm8k "
                    "(default: the bundled grpo/ppo config)")
     p.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="which bundled config to use")
-
-
-def _cmd_info(args) -> int:
-    import torch
-
-    from rlengine import _ext
-    from rlengine.config import PRESETS, preset
-
-    if args.overrides and not args.plan:
-        from rlengine.config import ConfigError
-
-        raise ConfigError(f"{args.overrides[0]}: config overrides need --plan CONFIG (they change that config)")
-    if args.kernels:  # the CPU kernel choices of a model's decode shapes (model/kernel_choice.py)
-        from rlengine.benchmarks.kernel_table import kernels_info
-
-        return kernels_info(args.kernels, args.kernels_dtype, args.cpu_kernels, args.save)
-    if args.plan:  # the per-device memory plan of a training config, and its B_KV
-        from rlengine.analysis.memory_plan import GiB
-        from rlengine.rl.trainer.memory import device_memory, engine_max_model_len, plan_for_config
-        from rlengine.config import ConfigError
-        from rlengine.preflight import check_model
-        from rlengine.rl.config import load_config
-
-        if args.device_memory is not None and not args.device_memory > 0:
-            raise ConfigError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
-        cfg = load_config(args.plan, args.overrides)  # gsm8k: --model.name DIR
-        check_model(cfg.model.name, "model.name")
-        mem, source = (int(args.device_memory * GiB), "--device-memory") if args.device_memory else device_memory()
-        cuda = args.device_memory is not None or torch.cuda.is_available()
-        plan = plan_for_config(cfg, device_bytes=mem, max_model_len=engine_max_model_len(cfg),
-                               device_type="cuda" if cuda else "cpu")
-        print(f"memory plan of {args.plan} ({cfg.model.name}, {cfg.model.dtype}; device memory from {source}):")
-        print("\n".join("  " + line for line in plan.lines()))
-        return 0
-
-    print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
-    for line in _ext.status_lines():  # both extensions, with the recorded build error of a failed one
-        print(line)
-    if _ext.AVAILABLE:
-        cuda_ops = [op for op in _ext.CPP_OPS if _ext.has_cuda_op(op)]
-        print(f"  CPU ops: {', '.join(op for op in _ext.CPP_OPS if _ext.has_op(op))}")
-        print(f"  CUDA ops: {', '.join(cuda_ops) if cuda_ops else 'none (a CPU build of torch, or no nvcc)'}")
-    from rlengine.engine.attention import AUTO_ORDER, BACKENDS
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"attention backends on {device}:")
-    for name, cls in BACKENDS.items():
-        reason = cls.unavailable_reason(device) if hasattr(cls, "unavailable_reason") else None
-        print(f"  {name:10s} {'available' if reason is None else 'unavailable: ' + reason}")
-    print(f"  auto picks the first available of {' > '.join(AUTO_ORDER[device.type])} (flashinfer: opt-in)")
-    graphs = "on by default (enforce_eager=True turns them off)" if device.type == "cuda" else "off (no CUDA device)"
-    print(f"decode CUDA graphs: {graphs}")
-    from rlengine.telemetry.nvml import NvmlSampler
-
-    nvml = NvmlSampler.for_device(device)  # a training run prints this only when it asked for a GPU
-    print(f"GPU telemetry: NVML device(s) {nvml.devices}" if nvml.available else nvml.reason)
-    nvml.close()
-    print("presets:")
-    for name in PRESETS:
-        cfg = preset(name)
-        kind = f"{cfg.hf_model_type} " + (f"MoE E={cfg.num_experts} K={cfg.num_experts_per_tok}" if cfg.is_moe else "dense")
-        print(f"  {name:16s} L={cfg.num_hidden_layers} C={cfg.hidden_size} H={cfg.num_attention_heads} "
-              f"Hkv={cfg.num_key_value_heads} D={cfg.head_dim} V={cfg.vocab_size} {kind}")
-    return 0
 
 
 def _cmd_demo(args) -> int:
