@@ -126,14 +126,11 @@ torch::Tensor skinny_logits(const torch::Tensor& x, const torch::Tensor& w) {
   return supported(x, w) ? run_skinny(x, w, true) : at::linear(x.to(torch::kFloat), w.to(torch::kFloat));
 }
 
-bool skinny_supported(const torch::Tensor& x, const torch::Tensor& w) { return supported(x, w); }
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rlengine, m) {
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
   m.def("skinny_logits(Tensor x, Tensor w) -> Tensor");
-  m.def("skinny_supported(Tensor x, Tensor w) -> bool");
 }
 
 // CompositeImplicitAutograd: with gradients required the op is at::linear, which autograd records
@@ -141,5 +138,4 @@ TORCH_LIBRARY_FRAGMENT(rlengine, m) {
 TORCH_LIBRARY_IMPL(rlengine, CompositeImplicitAutograd, m) {
   m.impl("skinny_linear", &skinny_linear);
   m.impl("skinny_logits", &skinny_logits);
-  m.impl("skinny_supported", &skinny_supported);
 }

@@ -41,7 +41,7 @@ def _upcast_matmul(x_BK: torch.Tensor, w_NK: torch.Tensor, out_dtype: torch.dtyp
     fp32 accumulation with no fp32 copy of the whole weight. Output in out_dtype."""
     (B, K), N = x_BK.shape, w_NK.shape[0]
     rows = max(16, UPCAST_CHUNK_BYTES // (4 * K))
-    buf = torch.empty(min(rows, N), K, dtype=torch.float32)
+    buf = _upcast_buffer(rows, K)
     out = torch.empty(B, N, dtype=out_dtype)
     xf = x_BK.float()
     for n0 in range(0, N, rows):
@@ -49,6 +49,13 @@ def _upcast_matmul(x_BK: torch.Tensor, w_NK: torch.Tensor, out_dtype: torch.dtyp
         chunk = buf[: n1 - n0].copy_(w_NK[n0:n1])
         out[:, n0:n1] = torch.mm(xf, chunk.t())
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _upcast_buffer(rows: int, K: int) -> torch.Tensor:
+    """The chunk buffer of _upcast_matmul, one per (rows, K): allocated once, not per decode step
+    (a fresh 4 MiB allocation each call costs page faults). Single-threaded use: the engine's step."""
+    return torch.empty(rows, K, dtype=torch.float32)
 
 
 def _skinny_ok(x_BK: torch.Tensor, w_NK: torch.Tensor) -> bool:

@@ -8,7 +8,6 @@ builds the single-process reference itself. Writes {case: {metric: the worst ran
 Usage: torchrun --nproc-per-node 2 tests/support/update_options_equivalence.py OUT_JSON
 """
 
-import json
 import sys
 
 import torch
@@ -21,7 +20,7 @@ from rlengine.rl.config import TrainSection  # noqa: E402
 from rlengine.rl.distributed import init_from_env  # noqa: E402
 from rlengine.rl.learner.learner import Learner  # noqa: E402
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from grad_equivalence import batch_of, params, rel  # noqa: E402
+from grad_equivalence import batch_of, params, rel, write_results  # noqa: E402
 
 STATS = ("rollout_is_mean", "rollout_is_max", "rollout_is_capped_frac", "kl_reward", "loss", "clip_frac", "ratio_max")
 
@@ -64,10 +63,7 @@ def main(out):
         views = dist.all_gather_objects(case(dist, parallel))
         results[parallel] = {k: max(v[k] for v in views) if k != "moved" else min(v[k] for v in views)
                              for k in views[0]}
-    if dist.is_main:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.close()
+    write_results(dist, out, results)
 
 
 if __name__ == "__main__":
