@@ -44,6 +44,8 @@ On a CPU, cpu_kernels picks how the projections and the LM head run (rlengine/mo
 "cache" (the default) times torch's linear against the C++ skinny linear (and, in bf16, a chunked
 fp32 upcast) per shape class at first use and keeps the choice per machine in ~/.cache/rlengine;
 "measure" does not touch the disk; "torch" / "skinny" fix one rule; a saved table's .json pins it.
+batch_invariant=True (CPU, dense models; model/batch_invariant.py) runs one fixed-order kernel per op
+instead, so each token's log-prob equals the learner's recomputation bit for bit at any batch size.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from rlengine.engine.cuda_graph import CudaGraph, DecodeGraphs, unsupported_reas
 from rlengine.engine.detokenizer import Detokenizer
 from rlengine.engine.kv_cache import KVCache, KVPool, bytes_per_block
 from rlengine.engine.llm_args import (DEFAULT_CPU_KV_BYTES, _as_dtype, _build_model, _check_vllm_args,
-                                     _progress_bar, _tokenizer, default_num_blocks)
+                                     _progress_bar, _tokenizer, batch_invariant_backend, default_num_blocks)
 from rlengine.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
 from rlengine.engine.outputs import GenerateResult, Logprob, RequestOutput, RequestState
 from rlengine.engine.prompts import Prompt, chat_prompts, parse_prompt, prompt_list
@@ -99,7 +101,7 @@ class LLM:
                  moe_impl: str = "ref", record_routing: bool = False, enforce_eager: bool = False,
                  cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
-                 trust_remote_code: bool = False, cpu_kernels: str = "cache"):
+                 trust_remote_code: bool = False, cpu_kernels: str = "cache", batch_invariant: bool = False):
         _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization)
         if gpu_memory_utilization is not None and (num_kv_blocks is not None or kv_cache_memory is not None
                                                    or kv_pool is not None):
@@ -130,6 +132,7 @@ class LLM:
         self.kv_pool = kv_pool or self._new_kv_pool(num_kv_blocks, kv_cache_memory, max_num_seqs, block_size)
         self._check_pool(self.kv_pool, block_size)
         self.kv_cache = self.kv_pool.cache
+        attention_backend = batch_invariant_backend(self.model, batch_invariant, attention_backend)
         backend_cls = resolve_backend(attention_backend, self.device)
         self.backend = backend_cls(self.kv_cache, cfg.num_attention_heads, cfg.head_dim, max_num_seqs)
         max_pages = -(-self.max_model_len // block_size)
@@ -141,7 +144,7 @@ class LLM:
                             max_num_batched_tokens=self.max_num_batched_tokens, max_pages_per_seq=max_pages,
                             null_block=self.kv_cache.null_block, vocab_size=cfg.vocab_size,
                             overlap=async_scheduling)
-        self.runner = ModelRunner(self.model, self.backend, Sampler(self.device, seed), self.kv_cache, inputs,
+        self.runner = ModelRunner(self.model, self.backend, Sampler(self.device, seed, self.model.batch_invariant), self.kv_cache, inputs,
                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                   record_routing=record_routing and cfg.is_moe)
         self.max_num_seqs, self.block_size = max_num_seqs, block_size
@@ -427,7 +430,10 @@ class LLM:
 
     # ---- batch API ---------------------------------------------------------------------------
     def cpu_kernels(self) -> dict | None:
-        """The CPU kernel choices so far ({mode, cache, table}; model/kernel_choice.py), None on a GPU."""
+        """The CPU kernel choices so far ({mode, cache, table}; model/kernel_choice.py), None on a GPU;
+        "batch_invariant" in batch-invariant mode (one fixed kernel per op, no choice)."""
+        if self.model.batch_invariant:
+            return "batch_invariant"
         return op_dispatch.KERNELS.summary() if self.device.type == "cpu" else None
 
     def get_tokenizer(self) -> Tokenizer:

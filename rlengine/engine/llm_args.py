@@ -98,3 +98,19 @@ def default_num_blocks(device, gpu_memory_utilization, max_model_len, budget, pe
         need = max_num_seqs * -(-max_model_len // block_size)
         return max(1, min(need, DEFAULT_CPU_KV_BYTES // per_block))
     return budget // per_block
+
+
+def batch_invariant_backend(model: Qwen3ForCausalLM, batch_invariant: bool, attention_backend: str) -> str:
+    """Turn on batch-invariant mode on the model when asked (ValueError naming why where it cannot
+    run) and return the attention backend to use: "invariant" whenever the model is in that mode, so
+    a second engine on an invariant model (the trainer's eval engine) follows it."""
+    if batch_invariant:
+        model.batch_invariant = True
+    if not model.batch_invariant:
+        if attention_backend == "invariant":
+            raise ValueError("attention_backend='invariant' is the batch-invariant mode's; pass batch_invariant=True")
+        return attention_backend
+    if attention_backend not in ("auto", "invariant"):
+        raise ValueError(f"batch_invariant=True runs its own attention (backend 'invariant'), so "
+                         f"attention_backend={attention_backend!r} cannot be combined with it")
+    return "invariant"

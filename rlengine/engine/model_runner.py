@@ -26,7 +26,7 @@ import torch
 
 from rlengine.engine.attention import AttentionBackend
 from rlengine.engine.kv_cache import KVCache
-from rlengine.engine.sampler import Sampler, top_logprobs
+from rlengine.engine.sampler import Sampler, log_softmax, top_logprobs
 from rlengine.engine.sampling_rules import RuleState
 from rlengine.engine.scheduler import ScheduledBatch
 from rlengine.engine.step_inputs import PreparedStep, StepInputs
@@ -195,7 +195,7 @@ class ModelRunner:
             if not p.greedy:
                 z_LV = z_LV / torch.full((L - 1, 1), p.temperature, dtype=torch.float32, device=z_LV.device)
             targets = torch.tensor(seq.token_ids[1:L], dtype=torch.int64, device=z_LV.device)
-            out[r] = top_logprobs(z_LV.log_softmax(dim=-1), targets, p.prompt_logprobs)
+            out[r] = top_logprobs(log_softmax(z_LV, self.sampler.invariant), targets, p.prompt_logprobs)
         return out or None
 
     def _read_outputs(self, step: LaunchedStep):

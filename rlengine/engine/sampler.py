@@ -22,6 +22,10 @@ being splitmix64(sample seed + position * golden) (draw_keys), so a seeded sampl
 on nothing but its seed, its positions and its logits, and all seeded rows cost one batched
 computation, not one launch per row. No host reads: which path runs is decided from the step's
 host flags (SamplingBatch.kinds_any / kinds_all).
+Batch-invariant mode (Sampler(invariant=True), model/batch_invariant.py): every reduction over the
+vocabulary (the log-prob's normaliser, the race's chunk masses, the filter's normalisers) is the
+fixed-order C++ logsumexp, so a row's token and log-prob depend on its logits alone, and the
+learner's sequence_logprobs(invariant=True) computes the same numbers.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 
 from rlengine.engine.sampling_params import LOGPROBS_MODES, SamplingParams
 from rlengine.engine.sampling_rules import StepRules
+from rlengine.model import batch_invariant
 from rlengine.types import SamplingBatch
 
 # Bits of SamplingBatch.kind, one int per sample.
@@ -123,9 +128,23 @@ def hashed_exponentials(keys_N: torch.Tensor, M: int) -> torch.Tensor:
     return u.log_().neg_()
 
 
-def chunk_log_mass(x_NCS: torch.Tensor) -> torch.Tensor:
+def _torch_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    return x.logsumexp(dim=-1)
+
+
+def lse_fn(invariant: bool):
+    """log-sum-exp over the last dim: torch's, or the batch-invariant kernel's."""
+    return batch_invariant.logsumexp if invariant else _torch_logsumexp
+
+
+def log_softmax(z_NV: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """log_softmax over the vocabulary (batch-invariant mode: z - its fixed-order logsumexp)."""
+    return z_NV - batch_invariant.logsumexp(z_NV)[:, None] if invariant else z_NV.log_softmax(dim=-1)
+
+
+def chunk_log_mass(x_NCS: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """log of each chunk's unnormalised mass [N, num_chunks] (-inf for a chunk of excluded tokens)."""
-    return x_NCS.logsumexp(dim=-1)
+    return lse_fn(invariant)(x_NCS)
 
 
 def chunking(V: int) -> tuple[int, int]:
@@ -142,7 +161,7 @@ def chunking(V: int) -> tuple[int, int]:
 
 
 def filter_logits(z_BV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  max_top_k: int | None = None) -> torch.Tensor:
+                  max_top_k: int | None = None, invariant: bool = False) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. top_k <= 0 / top_p = 1 mean off.
 
     z_BV: temperature-scaled logits [B, V] fp32; top_k [B] int64; top_p [B] fp32. Returns a new tensor.
@@ -150,8 +169,9 @@ def filter_logits(z_BV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     descending prob) whose mass reaches top_p. On the CPU the candidate count is
     max(CANDIDATES, the largest top_k < V): max_top_k gives it from the host (else it is read from
     top_k), and which rows need the full sort is read too (free there); on a GPU: one segmented
-    sort, no host read.
+    sort, no host read. invariant: the normalisers by the batch-invariant logsumexp.
     """
+    lse = lse_fn(invariant)
     V = z_BV.shape[1]
     k_B = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
     K = V
@@ -161,19 +181,19 @@ def filter_logits(z_BV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         K = min(V, max(CANDIDATES, max_top_k))
     if K == V:
         sorted_z, order = z_BV.sort(dim=-1, descending=True)
-        return _mask_ranked(z_BV, sorted_z, order, k_B, top_p, None)[0]
+        return _mask_ranked(z_BV, sorted_z, order, k_B, top_p, None, lse)[0]
     vals_BK, idx_BK = z_BV.topk(K, dim=-1)
-    out, inside_B = _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p, z_BV.logsumexp(dim=-1))
+    out, inside_B = _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p, lse(z_BV), lse)
     no_filter_B = (k_B == V) & (top_p >= 1.0)
     out = torch.where(no_filter_B[:, None], z_BV, out)
     wide = (~inside_B & ~no_filter_B).nonzero()[:, 0]
     if wide.numel():
         sorted_z, order = z_BV[wide].sort(dim=-1, descending=True)
-        out[wide] = _mask_ranked(z_BV[wide], sorted_z, order, k_B[wide], top_p[wide], None)[0]
+        out[wide] = _mask_ranked(z_BV[wide], sorted_z, order, k_B[wide], top_p[wide], None, lse)[0]
     return out
 
 
-def _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p_B, lse_full_B):
+def _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p_B, lse_full_B, lse=_torch_logsumexp):
     """Top-k / top-p over a descending candidate list vals [B, K] (token ids idx [B, K]).
 
     Returns (filtered logits [B, V] with everything outside the kept candidates at -inf,
@@ -182,7 +202,7 @@ def _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p_B, lse_full_B):
     """
     K = vals_BK.shape[1]
     drop = torch.arange(K, device=vals_BK.device) >= k_B[:, None]
-    lse_B = vals_BK.masked_fill(drop, float("-inf")).logsumexp(dim=-1)  # renormalised over the top-k
+    lse_B = lse(vals_BK.masked_fill(drop, float("-inf")))  # renormalised over the top-k
     if lse_full_B is not None:
         lse_B = torch.where(k_B <= K, lse_B, lse_full_B)
     probs = (vals_BK - lse_B[:, None]).exp().masked_fill_(drop, 0.0)
@@ -194,8 +214,9 @@ def _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p_B, lse_full_B):
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, invariant: bool = False):
         self.device = device
+        self.invariant = invariant  # batch-invariant mode: fixed-order reductions over the vocabulary
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits_NV: torch.Tensor, sb: SamplingBatch,
@@ -207,6 +228,8 @@ class Sampler:
         tensors uploaded by sampling_rules.RuleState.for_step).
         """
         tokens_N1, z_NV = self._draw(logits_NV, sb, rules)
+        if self.invariant:
+            return tokens_N1.view(-1), (z_NV.gather(1, tokens_N1) - batch_invariant.logsumexp(z_NV)[:, None]).view(-1)
         return tokens_N1.view(-1), z_NV.log_softmax(dim=-1).gather(1, tokens_N1).view(-1)
 
     def sample_with_top(self, logits_NV: torch.Tensor, sb: SamplingBatch, k: int, rules: StepRules | None = None):
@@ -215,7 +238,7 @@ class Sampler:
         [N], top ids [N, k] int64, top log-probs [N, k] fp32 (-inf where a filter left fewer than k tokens),
         ranks [N] int64). One top-k and one compare over [N, V]."""
         tokens_N1, z_NV = self._draw(logits_NV, sb, rules)
-        top_ids, top_lp, lp_N, rank_N = top_logprobs(z_NV.log_softmax(dim=-1), tokens_N1.view(-1), k)
+        top_ids, top_lp, lp_N, rank_N = top_logprobs(log_softmax(z_NV, self.invariant), tokens_N1.view(-1), k)
         return tokens_N1.view(-1), lp_N, top_ids, top_lp, rank_N
 
     def _draw(self, logits_NV: torch.Tensor, sb: SamplingBatch,
@@ -231,7 +254,8 @@ class Sampler:
         z = adjusted / sb.temperature[:, None]  # greedy rows carry temperature 1: z = logits there
         if rules is not None:
             z = rules.apply_min_p(z)
-        filtered = filter_logits(z, sb.top_k, sb.top_p, sb.max_top_k) if sb.kinds_any & FILTERED else z
+        filtered = (filter_logits(z, sb.top_k, sb.top_p, sb.max_top_k, self.invariant) if sb.kinds_any & FILTERED
+                    else z)
         tokens = self._race(filtered, sb)
         sampled = None
         if not sb.kinds_all & SAMPLED:
@@ -253,7 +277,7 @@ class Sampler:
             x_NV = F.pad(x_NV, (0, nc * S - V), value=float("-inf"))
         x_NCS = x_NV.view(N, nc, S)
         log_e = self._exponentials(N, nc + S, sb).log_()
-        chunk_N1 = (chunk_log_mass(x_NCS) - log_e[:, :nc]).argmax(dim=-1, keepdim=True)
+        chunk_N1 = (chunk_log_mass(x_NCS, self.invariant) - log_e[:, :nc]).argmax(dim=-1, keepdim=True)
         inside_NS = x_NCS.gather(1, chunk_N1[:, :, None].expand(N, 1, S))[:, 0]
         return chunk_N1 * S + (inside_NS - log_e[:, nc:]).argmax(dim=-1, keepdim=True)
 
@@ -280,7 +304,7 @@ def top_logprobs(lp_NV: torch.Tensor, tokens_N: torch.Tensor, k: int):
 
 
 def sequence_logprobs(logits_TV: torch.Tensor, targets_T: torch.Tensor, *, temperature: float, top_k: int = -1,
-                      top_p: float = 1.0, mode: str = "raw") -> torch.Tensor:
+                      top_p: float = 1.0, mode: str = "raw", invariant: bool = False) -> torch.Tensor:
     """Log-probs [T] fp32 of targets [T] int64 under logits [T, V] (any float dtype): the learner's side.
 
     The same definition as the Sampler for one request's SamplingParams (see sampling_params.py):
@@ -292,7 +316,8 @@ def sequence_logprobs(logits_TV: torch.Tensor, targets_T: torch.Tensor, *, tempe
     top-k / top-p keep-mask is a constant of the backward, so it is computed under no_grad (no sort /
     topk / scatter on the autograd graph) and applied with masked_fill. Masked-out tokens get -inf
     and no gradient, so a target that was filtered out gives -inf (its gradient stays finite).
-    Host sync on the CPU only (inside filter_logits).
+    Host sync on the CPU only (inside filter_logits). invariant: the batch-invariant mode's
+    reductions (the Sampler's with invariant=True), equal to its values bit for bit.
     """
     if mode not in LOGPROBS_MODES:
         raise ValueError(f"sequence_logprobs: mode must be one of {LOGPROBS_MODES}, got {mode!r}")
@@ -306,6 +331,8 @@ def sequence_logprobs(logits_TV: torch.Tensor, targets_T: torch.Tensor, *, tempe
             with torch.no_grad():
                 k_T = torch.full((T,), top_k, dtype=torch.int64, device=z_TV.device)
                 p_T = torch.full((T,), top_p, dtype=torch.float32, device=z_TV.device)
-                keep_TV = filter_logits(z_TV.detach(), k_T, p_T).isfinite()
+                keep_TV = filter_logits(z_TV.detach(), k_T, p_T, invariant=invariant).isfinite()
             z_TV = z_TV.masked_fill(~keep_TV, float("-inf"))  # the kept entries are filter_logits' values
+    if invariant:
+        return z_TV.gather(1, targets_T.view(-1, 1).long()).view(-1) - batch_invariant.logsumexp(z_TV)
     return z_TV.log_softmax(dim=-1).gather(1, targets_T.view(-1, 1).long()).view(-1)

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlengine.config import ModelConfig
+from rlengine.model import batch_invariant as inv
 from rlengine.model import ops as op_dispatch
 from rlengine.model.attention import AttentionContext, DenseCausal, PackedCausal
 from rlengine.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
@@ -66,6 +67,16 @@ class Attention(nn.Module):
         o_THD = ctx.attend(self.layer_id, q, k, v)
         return ops.linear(o_THD.reshape(T, self.q_size), self.o_proj.weight)
 
+    def forward_invariant(self, x_TC, positions_T, rope_table, ctx: AttentionContext):
+        """Batch-invariant path (batch_invariant.py): the same structure with the invariant ops."""
+        T = x_TC.shape[0]
+        qkv = inv.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias)
+        q_w, k_w = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        q, k = inv.qk_norm_rope(qkv, q_w, k_w, rope_table, positions_T, self.num_heads, self.num_kv_heads, self.eps)
+        v = qkv[:, self.q_size + self.kv_size:].reshape(T, self.num_kv_heads, self.head_dim)
+        o_THD = ctx.attend(self.layer_id, q, k, v)
+        return inv.linear(o_THD.reshape(T, self.q_size), self.o_proj.weight)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, moe_impl: str):
@@ -102,6 +113,14 @@ class DecoderLayer(nn.Module):
             h = self.mlp(h)
         return h, residual_TC
 
+    def forward_invariant(self, x_TC, positions_T, rope_table, ctx):
+        """Batch-invariant path: x + attn(norm(x)), then + mlp(norm(.)), every op row-invariant (dense MLP)."""
+        h = inv.rms_norm(x_TC, self.input_layernorm.weight, self.input_layernorm.eps)
+        x_TC = x_TC + self.self_attn.forward_invariant(h, positions_T, rope_table, ctx)
+        h = inv.rms_norm(x_TC, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        h = inv.linear(inv.silu_and_mul(inv.linear(h, self.mlp.gate_up_proj.weight)), self.mlp.down_proj.weight)
+        return x_TC + h
+
 
 class Qwen3Model(nn.Module):
     """Embedding, decoder layers, final norm: input_ids [T] -> hidden [T, C]."""
@@ -112,6 +131,7 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, moe_impl) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
+        self.batch_invariant = False  # Qwen3ForCausalLM.batch_invariant sets it (checked there)
 
     def forward(self, input_ids_T, positions_T, ctx: AttentionContext, *, fast: bool = False,
                 checkpoint_layers: bool = False):
@@ -121,6 +141,8 @@ class Qwen3Model(nn.Module):
         runs again in the backward (torch.utils.checkpoint, non-reentrant): the same gradients, the
         activations of one layer at a time instead of all of them."""
         x_TC = self.embed_tokens(input_ids_T)
+        if self.batch_invariant:  # both sides, engine and learner: one implementation per op
+            return self.forward_invariant(x_TC, positions_T, ctx, checkpoint_layers and torch.is_grad_enabled())
         ops = fused_ops_for(x_TC.device) if fast and x_TC.dtype != torch.float64 else None  # fp64: torch ops
         if ops is not None:
             if torch.is_grad_enabled() and x_TC.requires_grad:
@@ -135,6 +157,16 @@ class Qwen3Model(nn.Module):
             else:
                 x_TC = layer(x_TC, cos, sin, ctx)
         return self.norm(x_TC)
+
+    def forward_invariant(self, x_TC, positions_T, ctx, recompute: bool):
+        """The batch-invariant path (model/batch_invariant.py), with or without autograd."""
+        table = self.rotary.cos_sin
+        for layer in self.layers:
+            if recompute:
+                x_TC = checkpoint(layer.forward_invariant, x_TC, positions_T, table, ctx, use_reentrant=False)
+            else:
+                x_TC = layer.forward_invariant(x_TC, positions_T, table, ctx)
+        return inv.rms_norm(x_TC, self.norm.weight, self.norm.eps)
 
     def forward_fused(self, x_TC, positions_T, ctx, ops: FusedOps):
         """The no-grad fast path on embeddings x_TC, with the kernels in `ops` (fused_ops_for)."""
@@ -172,6 +204,23 @@ class Qwen3ForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Batch-invariant mode (model/batch_invariant.py): the engine's forward and the learner's give
+        each token the same bits whatever the batch. Setting True raises ValueError where it cannot run."""
+        return self.model.batch_invariant
+
+    @batch_invariant.setter
+    def batch_invariant(self, on: bool) -> None:
+        reason = inv.unsupported_reason(self.config, self.device, self.dtype) if on else None
+        if reason:
+            raise ValueError(f"batch_invariant: {reason}")
+        self.model.batch_invariant = bool(on)
+
+    def _causal(self, cu: list[int]):
+        scale = self.config.head_dim ** -0.5
+        return inv.InvariantCausal(cu, scale) if self.model.batch_invariant else PackedCausal(cu, scale)
+
     def build_buffers(self) -> None:
         """Recompute non-parameter buffers (RoPE tables) on the weights' device."""
         if not self.lm_head.weight.is_meta:
@@ -201,6 +250,8 @@ class Qwen3ForCausalLM(nn.Module):
         the learner's fused log-prob kernel computes from the same hidden states and weights.
         """
         w = self.lm_head.weight
+        if self.model.batch_invariant:
+            return inv.logits(hidden_TC, w)
         if hidden_TC.shape[0] == 0 or (w.dtype == torch.float32 and hidden_TC.device.type != "cpu"):
             return F.linear(hidden_TC, w)
         return logits_fp32(hidden_TC, w, engine=True)
@@ -221,8 +272,13 @@ class Qwen3ForCausalLM(nn.Module):
             return head(self.forward_packed(input_ids_BS, cu_seqlens, return_hidden=True, **kw), self.lm_head.weight)
         B, S = input_ids_BS.shape
         positions = torch.arange(S, device=input_ids_BS.device).repeat(B)
-        ctx = DenseCausal(B, S, self.config.head_dim ** -0.5)
+        if self.model.batch_invariant:
+            ctx = self._causal(list(range(0, B * S + 1, S)))
+        else:
+            ctx = DenseCausal(B, S, self.config.head_dim ** -0.5)
         hidden = self.model(input_ids_BS.reshape(-1), positions, ctx, fast=fast)
+        if self.model.batch_invariant:
+            return inv.linear(hidden, self.lm_head.weight).view(B, S, -1)
         return self.lm_head(hidden).view(B, S, -1)
 
     def forward_packed(self, input_ids_T: torch.Tensor, cu_seqlens: list[int] | torch.Tensor,
@@ -238,9 +294,10 @@ class Qwen3ForCausalLM(nn.Module):
         if cu[0] != 0 or cu[-1] != input_ids_T.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to T={input_ids_T.shape[0]}, got {cu}")
         positions = torch.cat([torch.arange(b - a, device=input_ids_T.device) for a, b in zip(cu, cu[1:])])
-        hidden = self.model(input_ids_T, positions, PackedCausal(cu, self.config.head_dim ** -0.5), fast=fast,
-                            checkpoint_layers=checkpoint_layers)
-        return hidden if return_hidden else self.lm_head(hidden)
+        hidden = self.model(input_ids_T, positions, self._causal(cu), fast=fast, checkpoint_layers=checkpoint_layers)
+        if return_hidden:
+            return hidden
+        return inv.linear(hidden, self.lm_head.weight) if self.model.batch_invariant else self.lm_head(hidden)
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]

@@ -7,10 +7,12 @@ import torch
 from rlengine.engine.attention.base import AttentionBackend
 from rlengine.engine.attention.cpp_backend import CppBackend
 from rlengine.engine.attention.flashinfer_backend import FlashInferBackend
+from rlengine.engine.attention.invariant_backend import InvariantBackend
 from rlengine.engine.attention.torch_backend import TorchBackend
 from rlengine.engine.attention.triton_backend import TritonBackend
 
-BACKENDS = {"torch": TorchBackend, "cpp": CppBackend, "triton": TritonBackend, "flashinfer": FlashInferBackend}
+BACKENDS = {"torch": TorchBackend, "cpp": CppBackend, "triton": TritonBackend, "flashinfer": FlashInferBackend,
+            "invariant": InvariantBackend}
 AUTO_ORDER = {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch")}  # tested backends only
 
 

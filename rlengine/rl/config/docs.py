@@ -39,6 +39,8 @@ FIELD_DOCS: dict[str, str] = {
     "gen.record_routing": "MoE: record the experts chosen in generation and replay them in the learner",
     "gen.enforce_eager": "GPU: no CUDA graphs for decode steps",
     "gen.logprobs_mode": "behaviour log-probs: processed (the filtered distribution sampled from) | raw (full vocabulary)",
+    "gen.batch_invariant": "batch-invariant mode: the engine's and the learner's forward give each token the same "
+                           "bits at any batch size (logprob_diff 0 on-policy); CPU, dense models",
     "gen.cpu_kernels": "CPU projection kernels: cache (timed once per machine, ~/.cache/rlengine) | measure | torch | "
                        "skinny | a saved table's .json (pinned)",
     # [train]

@@ -92,7 +92,9 @@ class GenSection:
     # CPU kernels: measure (timed at first use) | cache (measured once per machine, ~/.cache/rlengine) |
     # torch | skinny | a saved table's .json path (pinned: a seeded run reproduces token for token)
     cpu_kernels: str = "cache"
-
+    # one fixed-order kernel per op on the engine and the learner: sampled log-probs equal the
+    # learner's recomputation bit for bit (CPU, dense models; model/batch_invariant.py)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         _check(self.b_gen >= 0, f"gen.b_gen must be >= 0, got {self.b_gen}")

@@ -5,12 +5,38 @@ recomputation agrees with the behaviour log-probs to rounding: "raw" through the
 kernel (never the [T, V] logits) or its torch reference, "processed" (top-k / top-p filtered)
 through the engine's own sequence_logprobs on materialised logits. Both go through the module's
 forward(), so DDP / FSDP hooks run, and take checkpoint_layers for the differentiable passes.
+In batch-invariant mode (model/batch_invariant.py) both definitions run through the invariant LM
+head and logsumexp, the engine's own kernels, so the recomputation equals the sampled log-probs
+bit for bit.
 """
 
 from __future__ import annotations
 
+import torch
+
+from rlengine.model import batch_invariant as inv
 from rlengine.model.qwen3 import logits_fp32
 from rlengine.rl.learner.batching import TrainBatch
+
+
+def is_batch_invariant(module) -> bool:
+    """Whether the model behind `module` (the model, or its DDP wrapper) runs in batch-invariant mode."""
+    return bool(getattr(getattr(module, "module", module), "batch_invariant", False))
+
+
+def _invariant_head(mb: TrainBatch, temperature: float, top_k: int = -1, top_p: float = 1.0,
+                    mode: str = "raw"):
+    """The head of batch-invariant mode: the engine's LM head and log-prob definition, its kernels."""
+    from rlengine.engine.sampler import sequence_logprobs
+
+    def head(hidden_TC, w_VC):
+        logits_TV = inv.logits(hidden_TC, w_VC)
+        logp = sequence_logprobs(logits_TV, mb.targets, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 mode=mode, invariant=True)
+        t_T1 = torch.full((logits_TV.shape[0], 1), temperature if temperature > 0 else 1.0)
+        full_TV = (logits_TV / t_T1).log_softmax(dim=-1)
+        return logp, -(full_TV.exp() * full_TV).sum(dim=-1)
+    return head
 
 
 def token_logprobs(module, mb: TrainBatch, temperature: float, fused: bool, checkpoint_layers: bool = False):
@@ -21,6 +47,9 @@ def token_logprobs(module, mb: TrainBatch, temperature: float, fused: bool, chec
     agrees with the engine's fused inference path to rounding (tests/rl/test_logprob_parity.py).
     checkpoint_layers: recompute each decoder layer in the backward (train.activation_checkpointing).
     """
+    if is_batch_invariant(module):
+        return module(mb.input_ids, cu_seqlens=mb.cu_seqlens, head=_invariant_head(mb, temperature),
+                      checkpoint_layers=checkpoint_layers)
     if fused:
         from rlengine.kernels.fused_logprob import fused_logprob as fn
     else:
@@ -40,6 +69,10 @@ def processed_token_logprobs(module, mb: TrainBatch, temperature: float, top_k: 
     the unfiltered distribution, as in raw mode.
     """
     from rlengine.engine.sampler import sequence_logprobs
+
+    if is_batch_invariant(module):
+        head = _invariant_head(mb, temperature, top_k, top_p, "processed")
+        return module(mb.input_ids, cu_seqlens=mb.cu_seqlens, head=head, checkpoint_layers=checkpoint_layers)
 
     def head(hidden_TC, w_VC):
         logits_TV = logits_fp32(hidden_TC, w_VC)
