@@ -90,7 +90,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x_TC, cos, sin, ctx):
+    def forward(self, x_TC, cos, sin, ctx, invariant_rope=None):
+        """The torch path; invariant_rope = (positions [T], RoPE table) runs forward_invariant instead
+        (through this call, so FSDP's per-layer unshard hooks run in both modes)."""
+        if invariant_rope is not None:
+            return self.forward_invariant(x_TC, *invariant_rope, ctx)
         x_TC = x_TC + self.self_attn(self.input_layernorm(x_TC), cos, sin, ctx)
         return x_TC + self.mlp(self.post_attention_layernorm(x_TC))
 
@@ -160,12 +164,12 @@ class Qwen3Model(nn.Module):
 
     def forward_invariant(self, x_TC, positions_T, ctx, recompute: bool):
         """The batch-invariant path (model/batch_invariant.py), with or without autograd."""
-        table = self.rotary.cos_sin
+        rope = (positions_T, self.rotary.cos_sin)
         for layer in self.layers:
             if recompute:
-                x_TC = checkpoint(layer.forward_invariant, x_TC, positions_T, table, ctx, use_reentrant=False)
+                x_TC = checkpoint(layer, x_TC, None, None, ctx, rope, use_reentrant=False)
             else:
-                x_TC = layer.forward_invariant(x_TC, positions_T, table, ctx)
+                x_TC = layer(x_TC, None, None, ctx, rope)
         return inv.rms_norm(x_TC, self.norm.weight, self.norm.eps)
 
     def forward_fused(self, x_TC, positions_T, ctx, ops: FusedOps):

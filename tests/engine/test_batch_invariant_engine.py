@@ -132,14 +132,15 @@ def test_the_learners_backward_runs_and_matches_the_default_modes_gradients():
     model = _model(torch.float32)
     batch = rollout_batch(model)
     grads = {}
-    for mode in (True, False):
+    for mode, ckpt in ((True, False), (True, True), (False, False)):  # with activation checkpointing too
         model.batch_invariant = mode
         model.zero_grad()
-        logp, _ = token_logprobs(model, batch, 1.0, fused=False)
+        logp, _ = token_logprobs(model, batch, 1.0, fused=False, checkpoint_layers=ckpt)
         (logp * batch.loss_mask).sum().backward()
-        grads[mode] = [p.grad.clone() for p in model.parameters()]
-    for a, b in zip(grads[True], grads[False]):
-        assert (a - b).norm() <= 1e-5 * b.norm(), ((a - b).norm().item(), b.norm().item())
+        grads[mode, ckpt] = [p.grad.clone() for p in model.parameters()]
+    for key in ((True, False), (True, True)):
+        for a, b in zip(grads[key], grads[False, False]):
+            assert (a - b).norm() <= 1e-5 * b.norm(), (key, (a - b).norm().item(), b.norm().item())
 
 
 # ---- the tests above can fail: put back one batch-dependent path ------------------------------
