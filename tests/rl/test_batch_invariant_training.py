@@ -52,3 +52,23 @@ def test_two_ranks_log_logprob_diff_zero(tmp_path, parallel):
     assert r.returncode == 0, r.stderr[-3000:]
     history = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert _diffs(history) == [0.0, 0.0]
+
+
+def test_the_warm_start_runs_the_default_kernels_and_keeps_the_mode():
+    """Supervised warm start: the same weights with the mode on or off (nothing sampled to match)."""
+    import torch
+
+    from rlengine.config import preset
+    from rlengine.model.qwen3 import Qwen3ForCausalLM
+    from rlengine.model.factory import tokenizer_for
+    from rlengine.rl.data.tasks import build_task
+    from rlengine.rl.data.warmstart import format_warmstart
+
+    tok = tokenizer_for("tiny")
+    task = build_task(load_config("rlengine/configs/grpo.toml", []).task.name, num_train=50, num_eval=8)
+    models = [Qwen3ForCausalLM(preset("tiny"), seed=2) for _ in range(2)]
+    models[1].batch_invariant = True
+    for m in models:
+        format_warmstart(m, tok, task, steps=3, lr=1e-3, batch=4, seed=0)
+    assert models[1].batch_invariant and not models[0].batch_invariant
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))

@@ -23,10 +23,21 @@ from rlengine.rl.data.tasks import Task
 def format_warmstart(model: Qwen3ForCausalLM, tok: Tokenizer, task: Task, *, steps: int, lr: float, batch: int,
                      seed: int, encode_prompt=None) -> list[float]:
     """Run `steps` AdamW steps of next-token loss on answer tokens; returns the loss curve.
-    encode_prompt: prompt text -> ids as the rollout encodes it (default tok.encode)."""
+    encode_prompt: prompt text -> ids as the rollout encodes it (default tok.encode).
+    A model in batch-invariant mode trains here with the default kernels: nothing is sampled, so
+    there is no engine log-prob to match, and every mode starts RL from the same weights."""
     encode_prompt = encode_prompt or tok.encode
     if steps <= 0:
         return []
+    invariant = model.batch_invariant
+    model.batch_invariant = False
+    try:
+        return _train(model, tok, task, steps, lr, batch, seed, encode_prompt)
+    finally:
+        model.batch_invariant = invariant
+
+
+def _train(model, tok, task, steps, lr, batch, seed, encode_prompt) -> list[float]:
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
