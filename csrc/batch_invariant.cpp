@@ -43,6 +43,7 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int64_t kKeyChunk = 32;
 constexpr int64_t kMaxHeadDim = 1024;
+constexpr int64_t kBlockRows = 8;
 
 // The fixed lane sum: halves, quarters, eighths, pairs.
 __attribute__((noinline)) float reduce_lanes(const float* l) {
@@ -52,11 +53,12 @@ __attribute__((noinline)) float reduce_lanes(const float* l) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// exp(x) for x <= 0 (and -inf): 2^n * p(r) with n = floor(x / ln2 + 1/2), r = x - n ln2 (Cody-Waite),
-// p Cephes' degree-6 polynomial; 0 below -87 (where fp32 underflows to denormals).
+// exp(x) for x <= 0 (and -inf): 2^n * p(r) with n = round(x / ln2) (the 1.5 * 2^23 trick: two
+// adds in round-to-nearest, which vectorise), r = x - n ln2 (Cody-Waite), p Cephes' degree-6
+// polynomial; 0 below -87 (where fp32 underflows to denormals).
 inline float exp_nonpos(float x) {
   const float xc = std::max(x, -87.f);
-  const float n = std::floor(std::fma(xc, 1.44269504088896341f, 0.5f));
+  const float n = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
   float r = std::fma(n, -0.693359375f, xc);
   r = std::fma(n, 2.12194440e-4f, r);
   float p = 1.9875691500e-4f;
@@ -151,25 +153,32 @@ void tile(const X* x, const W* w, int64_t K, int64_t r0, int64_t N, const float*
 
 template <int B, typename X, typename W, typename Y>
 void row_block(const X* x, const W* w, int64_t K, int64_t n0, int64_t n1, int64_t N, const float* bias, Y* y) {
+  constexpr int R = B <= 4 ? 4 : 2;  // R * B accumulators + B inputs + 1 weight vector <= 32 registers
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) tile<B, 4>(x, w, K, n, N, bias, y);
+  for (; n + R <= n1; n += R) tile<B, R>(x, w, K, n, N, bias, y);
   for (; n < n1; ++n) tile<B, 1>(x, w, K, n, N, bias, y);
 }
 
 template <typename X, typename W, typename Y>
 void linear_rows(const X* x, const W* w, const float* bias, Y* y, int64_t M, int64_t N, int64_t K) {
-  // Work items: (panel of w rows, block of 4 x rows); a panel of w rows stays in cache while the
-  // x blocks pass. The item grid depends on M and N, never what an item computes.
+  // Work items: (panel of w rows, block of up to 8 x rows: a decode step's rows read the weights
+  // once); a panel of w rows stays in cache while the x blocks pass. The item grid depends on M and
+  // N, never what an item computes for a given (row, output).
   const int64_t panel = std::max<int64_t>(4, (int64_t{64} * 1024 / std::max<int64_t>(1, K * 4)) / 4 * 4);
-  const int64_t panels = (N + panel - 1) / panel, blocks = (M + 3) / 4;
+  const int64_t panels = (N + panel - 1) / panel, blocks = (M + kBlockRows - 1) / kBlockRows;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, panel * K * 4));
   at::parallel_for(0, panels * blocks, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t p = i / blocks, mb = i % blocks;
-      const int64_t n0 = p * panel, n1 = std::min(N, n0 + panel), m0 = mb * 4, rows = std::min<int64_t>(4, M - m0);
+      const int64_t n0 = p * panel, n1 = std::min(N, n0 + panel), m0 = mb * kBlockRows;
+      const int64_t rows = std::min<int64_t>(kBlockRows, M - m0);
       const X* xb = x + m0 * K;
       Y* yb = y + m0 * N;
       switch (rows) {
+        case 8: row_block<8>(xb, w, K, n0, n1, N, bias, yb); break;
+        case 7: row_block<7>(xb, w, K, n0, n1, N, bias, yb); break;
+        case 6: row_block<6>(xb, w, K, n0, n1, N, bias, yb); break;
+        case 5: row_block<5>(xb, w, K, n0, n1, N, bias, yb); break;
         case 4: row_block<4>(xb, w, K, n0, n1, N, bias, yb); break;
         case 3: row_block<3>(xb, w, K, n0, n1, N, bias, yb); break;
         case 2: row_block<2>(xb, w, K, n0, n1, N, bias, yb); break;
@@ -224,7 +233,7 @@ struct Running {
 };
 
 // Dot product over D in 16 lanes and the fixed tree.
-__attribute__((noinline)) float dot_lanes(const float* a, const float* b, int64_t D) {
+inline float dot_lanes(const float* a, const float* b, int64_t D) {
   alignas(64) float lanes[kLanes] = {0.f};
   int64_t i = 0;
   for (; i + kLanes <= D; i += kLanes)
@@ -268,17 +277,22 @@ inline void widen_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// One query row against keys 0..L-1 of one KV head; row_at(j) gives key/value j's offset (elements).
+// The G query rows q_rows[g * q_stride] of one KV head against its keys 0..L-1; row_at(j) gives key /
+// value j's offset (elements). Each chunk of K/V rows is widened once and applied to every query of
+// the group: a query's arithmetic (chunk_update, in chunk order) is the same whatever G and the layout.
 template <typename T, typename RowAt>
-void attend_query(const T* q_row, const T* k, const T* v, int64_t L, int64_t D, float scale, RowAt row_at, T* out,
-                  std::vector<float>& buf) {
-  float* qf = buf.data();
-  float* kb = qf + D;
+void attend_group(const T* q_rows, int64_t q_stride, int64_t G, const T* k, const T* v, int64_t L, int64_t D,
+                  float scale, RowAt row_at, T* out, int64_t out_stride, std::vector<float>& buf,
+                  std::vector<Running>& st) {
+  float* kb = buf.data();
   float* vb = kb + kKeyChunk * D;
-  float* acc = vb + kKeyChunk * D;
-  float* acc_c = acc + D;
-  widen_row(q_row, qf, D);
-  Running st;
+  float* acc_c = vb + kKeyChunk * D;
+  float* qf = acc_c + D;          // [G, D]
+  float* acc = qf + G * D;        // [G, D]
+  for (int64_t g = 0; g < G; ++g) {
+    widen_row(q_rows + g * q_stride, qf + g * D, D);
+    st[g] = Running();
+  }
   for (int64_t c0 = 0; c0 < L; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, L - c0);
     for (int64_t j = 0; j < n; ++j) {
@@ -286,12 +300,13 @@ void attend_query(const T* q_row, const T* k, const T* v, int64_t L, int64_t D, 
       widen_row(k + off, kb + j * D, D);
       widen_row(v + off, vb + j * D, D);
     }
-    chunk_update(qf, kb, vb, n, D, scale, st, acc, acc_c);
+    for (int64_t g = 0; g < G; ++g) chunk_update(qf + g * D, kb, vb, n, D, scale, st[g], acc + g * D, acc_c);
   }
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d] / st.l);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * out_stride + d] = static_cast<T>(acc[g * D + d] / st[g].l);
 }
 
-inline int64_t scratch_floats(int64_t D) { return D * (3 + 2 * kKeyChunk); }
+inline int64_t scratch_floats(int64_t D, int64_t G) { return D * (1 + 2 * kKeyChunk + 2 * G); }
 
 void check_qkv(const char* op, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), op, ": inputs must be CPU tensors");
@@ -331,13 +346,14 @@ torch::Tensor inv_attention_varlen(const torch::Tensor& q, const torch::Tensor& 
     const scalar_t* kp = kc.data_ptr<scalar_t>();
     const scalar_t* vp = vc.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T * H, 4, [&](int64_t i0, int64_t i1) {
-      std::vector<float> buf(scratch_floats(D));
+    at::parallel_for(0, T * Hkv, 4, [&](int64_t i0, int64_t i1) {
+      std::vector<float> buf(scratch_floats(D, G));
+      std::vector<Running> st(G);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t t = i / H, h = i % H, hkv = h / G, start = c[seq_of[t]];
+        const int64_t t = i / Hkv, hkv = i % Hkv, start = c[seq_of[t]];
         auto row_at = [&](int64_t j) { return ((start + j) * Hkv + hkv) * D; };
-        attend_query(qp + (t * H + h) * D, kp, vp, t - start + 1, D, static_cast<float>(scale), row_at,
-                     op + (t * H + h) * D, buf);
+        attend_group(qp + (t * H + hkv * G) * D, D, G, kp, vp, t - start + 1, D, static_cast<float>(scale), row_at,
+                     op + (t * H + hkv * G) * D, D, buf, st);
       }
     });
   });
@@ -378,15 +394,16 @@ void inv_paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, cons
     const scalar_t* kp = k_cache.data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * H, 4, [&](int64_t i0, int64_t i1) {
-      std::vector<float> buf(scratch_floats(D));
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> buf(scratch_floats(D, G));
+      std::vector<Running> st(G);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / H, h = i % H, hkv = h / G;
+        const int64_t b = i / Hkv, hkv = i % Hkv;
         const int64_t L = (indptr[b + 1] - indptr[b] - 1) * P + last[b];
         const int32_t* pages = indices + indptr[b];
         auto row_at = [&](int64_t j) { return ((static_cast<int64_t>(pages[j / P]) * P + j % P) * Hkv + hkv) * D; };
-        attend_query(qp + b * qs0 + h * qs1, kp, vp, L, D, static_cast<float>(scale), row_at, op + (b * H + h) * D,
-                     buf);
+        attend_group(qp + b * qs0 + hkv * G * qs1, qs1, G, kp, vp, L, D, static_cast<float>(scale), row_at,
+                     op + (b * H + hkv * G) * D, D, buf, st);
       }
     });
   });
@@ -395,9 +412,16 @@ void inv_paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, cons
 // ---- log-sum-exp over the vocabulary
 
 __attribute__((noinline)) float row_logsumexp(const float* z, int64_t V) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < V; ++i) m = std::max(m, z[i]);
-  if (m == -std::numeric_limits<float>::infinity()) return m;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  alignas(64) float mx[kLanes];
+  for (int l = 0; l < kLanes; ++l) mx[l] = kNegInf;
+  int64_t i0 = 0;
+  for (; i0 + kLanes <= V; i0 += kLanes)  // lane-wise (vectorises); the max is exact in any order
+    for (int l = 0; l < kLanes; ++l) mx[l] = std::max(mx[l], z[i0 + l]);
+  float m = kNegInf;
+  for (int l = 0; l < kLanes; ++l) m = std::max(m, mx[l]);
+  for (; i0 < V; ++i0) m = std::max(m, z[i0]);
+  if (m == kNegInf) return m;
   alignas(64) float lanes[kLanes] = {0.f};
   alignas(64) float e[kLanes];
   int64_t i = 0;
