@@ -52,9 +52,10 @@ def test_chi_square_check_rejects_a_wrong_distribution():
         assert_matches_distribution(tokens, (logits / 1.2).softmax(-1))
 
 
-def _draw(logits_V: torch.Tensor, params: SamplingParams, n: int = N_DRAWS, seeds=None, sampler_seed: int = 0):
+def _draw(logits_V: torch.Tensor, params: SamplingParams, n: int = N_DRAWS, seeds=None, sampler_seed: int = 0,
+          invariant: bool = False):
     """n draws from one logits row: unseeded (the engine's generator) or one seed per draw (hashed)."""
-    sampler = Sampler(CPU, seed=sampler_seed)
+    sampler = Sampler(CPU, seed=sampler_seed, invariant=invariant)
     sb = make_sampling_batch([params] * n, seed_keys=None if seeds is None else list(seeds),
                              vocab_size=logits_V.numel())
     return sampler(logits_V.expand(n, -1).contiguous(), sb)
@@ -71,6 +72,20 @@ def test_temperature_distribution(temperature):
     assert_matches_distribution(tokens, (logits / temperature).softmax(-1))
     # returned log-prob: log_softmax(logits / T) of the drawn token over the full vocabulary
     torch.testing.assert_close(logprobs, (logits / temperature).log_softmax(-1)[tokens])
+
+
+@pytest.mark.parametrize("top_p,top_k", [(1.0, -1), (0.8, 6)])
+def test_batch_invariant_sampler_draws_the_same_distribution(top_p, top_k):
+    """Sampler(invariant=True): the fixed-order logsumexp in the race, the filter and the log-prob;
+    the same target distribution, and the processed log-prob is log_softmax of the kept logits."""
+    logits = random_logits(40, seed=9)
+    params = SamplingParams(temperature=0.7, top_p=top_p, top_k=top_k, logprobs_mode="processed")
+    tokens, logprobs = _draw(logits, params, invariant=True)
+    z = logits / 0.7
+    keep = filter_logits(z[None], torch.tensor([top_k]), torch.tensor([top_p]))[0].isfinite()
+    assert_matches_distribution(tokens, _masked_softmax(z, keep))
+    torch.testing.assert_close(logprobs, z.masked_fill(~keep, float("-inf")).log_softmax(-1)[tokens],
+                               rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("top_k", [1, 3, 7])
@@ -379,7 +394,7 @@ def test_chi_square_catches_a_wrong_chunk_level(monkeypatch):
     """Negative control for the race: choosing the chunk by its largest logit instead of its mass (a
     plausible bug) skews the draw, and the chi-square check must see it."""
     logits = random_logits(64, seed=22)
-    monkeypatch.setattr(sampler_mod, "chunk_log_mass", lambda x: x.amax(dim=-1))
+    monkeypatch.setattr(sampler_mod, "chunk_log_mass", lambda x, invariant=False: x.amax(dim=-1))
     tokens, _ = _draw(logits, SamplingParams(temperature=1.0))
     with pytest.raises(AssertionError, match="chi2="):
         assert_matches_distribution(tokens, logits.softmax(-1))

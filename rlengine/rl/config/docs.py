@@ -34,13 +34,13 @@ FIELD_DOCS: dict[str, str] = {
     "gen.max_tokens": "response length cap in tokens (longer responses are cut: over-long)",
     "gen.block_size": "tokens per KV-cache block (page)",
     "gen.num_kv_blocks": "KV-cache blocks; 0 = sized from the memory plan (what weights, optimizer and activations leave)",
-    "gen.backend": "attention backend for decode: auto | torch | cpp | triton | flashinfer",
+    "gen.backend": "attention backend for decode: auto | torch | cpp | triton | flashinfer (invariant: the mode's)",
     "gen.max_lag": "async rollouts: abort responses older than this many updates (policy lag)",
     "gen.record_routing": "MoE: record the experts chosen in generation and replay them in the learner",
     "gen.enforce_eager": "GPU: no CUDA graphs for decode steps",
     "gen.logprobs_mode": "behaviour log-probs: processed (the filtered distribution sampled from) | raw (full vocabulary)",
-    "gen.batch_invariant": "batch-invariant mode: the engine's and the learner's forward give each token the same "
-                           "bits at any batch size (logprob_diff 0 on-policy); CPU, dense models",
+    "gen.batch_invariant": "engine and learner give each token the same bits at any batch size (logprob_diff 0); "
+                           "CPU, dense models",
     "gen.cpu_kernels": "CPU projection kernels: cache (timed once per machine, ~/.cache/rlengine) | measure | torch | "
                        "skinny | a saved table's .json (pinned)",
     # [train]
