@@ -88,6 +88,17 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
 inline __m512 load16(const c10::Half* p, __mmask16 m) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
+
+// The 16 lanes summed by one fixed sequence: halves, quarters, pairs, the last two. By value (GCC's
+// _mm512_reduce_add_ps made the accumulator array addressable: a store per accumulator per step).
+inline float hsum(__m512 v) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  b = _mm_add_ss(b, _mm_movehdup_ps(b));
+  return _mm_cvtss_f32(b);
+}
 #endif
 
 // y[b, r0 + r] for B rows of x and R rows of w: every (b, r) pair runs the same lane recurrence
@@ -101,7 +112,8 @@ void tile(const X* x, const W* w, int64_t K, int64_t r0, int64_t N, const float*
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
 #ifdef RLENGINE_INV_DPBF16
   if constexpr (std::is_same_v<X, c10::BFloat16>) {
-    for (int64_t k = 0; k < K; k += 32) {
+    int64_t k = 0;
+    do {  // K >= 1; a do-while keeps the accumulators in registers (GCC stores a for-loop's array each step)
       const __mmask32 m = K - k >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << (K - k)) - 1);
       __m512bh xv[B];
       for (int b = 0; b < B; ++b) xv[b] = (__m512bh)_mm512_maskz_loadu_epi16(m, x + b * K + k);
@@ -109,11 +121,13 @@ void tile(const X* x, const W* w, int64_t K, int64_t r0, int64_t N, const float*
         const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + (r0 + r) * K + k);
         for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv, xv[b]);
       }
-    }
+      k += 32;
+    } while (k < K);
   } else
 #endif
   {
-    for (int64_t k = 0; k < K; k += kLanes) {
+    int64_t k = 0;
+    do {
       const __mmask16 m = K - k >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
       __m512 xv[B];
       for (int b = 0; b < B; ++b) xv[b] = load16(reinterpret_cast<const float*>(x) + b * K + k, m);
@@ -121,12 +135,13 @@ void tile(const X* x, const W* w, int64_t K, int64_t r0, int64_t N, const float*
         const __m512 wv = load16(w + (r0 + r) * K + k, m);
         for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(wv, xv[b], acc[r][b]);
       }
-    }
+      k += kLanes;
+    } while (k < K);
   }
-  // _mm512_reduce_add_ps: one fixed shuffle-and-add sequence (intrinsics are never reassociated)
+  // hsum: one fixed shuffle-and-add sequence (intrinsics are never reassociated)
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) {
-      float s = _mm512_reduce_add_ps(acc[r][b]);
+      float s = hsum(acc[r][b]);
       if (bias != nullptr) s += bias[r0 + r];
       y[b * N + r0 + r] = static_cast<Y>(s);
     }
@@ -202,6 +217,7 @@ torch::Tensor inv_linear(const torch::Tensor& x, const torch::Tensor& w, const s
               "inv_linear: bias must be [N] = [", N, "]");
   auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : dt));
   if (M == 0 || N == 0) return y;
+  if (K == 0) return bias.has_value() ? y.copy_(bias->to(at::kFloat).expand({M, N})) : y.zero_();
   const auto wc = w.contiguous();
   torch::Tensor bf;
   if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
