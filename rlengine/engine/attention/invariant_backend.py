@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from rlengine.engine.attention.base import AttentionBackend
+from rlengine.engine.attention.cpp_backend import CppBackend
 from rlengine.model import batch_invariant as inv
 
 
-class InvariantBackend(AttentionBackend):
+class InvariantBackend(CppBackend):
+    """The CPU backend's output buffer and graph contract, with the invariant prefill and decode."""
+
     name = "invariant"
-    graph_safe = True
 
     @staticmethod
     def unavailable_reason(device: torch.device) -> str | None:
@@ -28,15 +29,10 @@ class InvariantBackend(AttentionBackend):
             return "the C++ extension lacks the batch-invariant ops (rebuild it)"
         return None
 
-    def __init__(self, kv_cache, num_heads, head_dim, max_num_seqs):
-        super().__init__(kv_cache, num_heads, head_dim, max_num_seqs)
-        self.out = torch.empty(max_num_seqs, num_heads, head_dim, dtype=kv_cache.data.dtype)
-
     def plan(self, batch) -> None:
         super().plan(batch)
         if batch.kind == "prefill":
             self._prefill = inv.InvariantCausal(batch.qo_indptr, self.scale)
-        self.step_out = self.out[: batch.batch_size]
 
     def decode(self, layer_id, q_BHD, k_cache, v_cache):
         b = self.batch
