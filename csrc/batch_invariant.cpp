@@ -14,6 +14,7 @@
 //       merged into the running (max, sum, accumulator) in position order. Paged decode and the
 //       packed causal pass hand that routine the same rows, so they give the same bits.
 //   inv_logsumexp(z[N, V] fp32) -> [N]: max, then exp(z - max) summed in 16 lanes and one tree.
+//   inv_log(x), inv_exp(x): elementwise, one scalar routine for every element (the sampler's draws).
 // All arithmetic sits in non-template, non-inlined functions (one machine-code instance for every
 // caller) and uses explicit std::fma where it fuses, so no caller gets a differently contracted or
 // vectorised copy. exp is the polynomial below, the same code in every lane and every tail.
@@ -463,9 +464,36 @@ torch::Tensor inv_logsumexp(const torch::Tensor& z) {
   return out;
 }
 
+// ---- elementwise exp / log: std::exp / std::log on every element (torch's own loops take a
+// vector kernel in the body and the scalar one in the tail, so an element's bits depend on where
+// the tensor ends)
+
+__attribute__((noinline)) void log_range(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = std::log(x[i]);
+}
+
+__attribute__((noinline)) void exp_range(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = std::exp(x[i]);
+}
+
+torch::Tensor elementwise(const torch::Tensor& x, void (*fn)(const float*, float*, int64_t), const char* name) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, name, ": x must be a CPU float32 tensor");
+  auto xc = x.contiguous();
+  auto y = torch::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, xc.numel(), 1 << 14, [&](int64_t i0, int64_t i1) { fn(xp + i0, yp + i0, i1 - i0); });
+  return y;
+}
+
+torch::Tensor inv_log(const torch::Tensor& x) { return elementwise(x, log_range, "inv_log"); }
+torch::Tensor inv_exp(const torch::Tensor& x) { return elementwise(x, exp_range, "inv_exp"); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rlengine, m) {
+  m.def("inv_log(Tensor x) -> Tensor");
+  m.def("inv_exp(Tensor x) -> Tensor");
   m.def("inv_linear(Tensor x, Tensor w, Tensor? bias, bool fp32_out) -> Tensor");
   m.def("inv_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale) -> Tensor");
   m.def(
@@ -479,4 +507,6 @@ TORCH_LIBRARY_IMPL(rlengine, CPU, m) {
   m.impl("inv_attention_varlen", &inv_attention_varlen);
   m.impl("inv_paged_decode", &inv_paged_decode);
   m.impl("inv_logsumexp", &inv_logsumexp);
+  m.impl("inv_log", &inv_log);
+  m.impl("inv_exp", &inv_exp);
 }

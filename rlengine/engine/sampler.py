@@ -117,15 +117,16 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def hashed_exponentials(keys_N: torch.Tensor, M: int) -> torch.Tensor:
+def hashed_exponentials(keys_N: torch.Tensor, M: int, invariant: bool = False) -> torch.Tensor:
     """Exp(1) variates [N, M] fp32 from per-row draw keys [N] int64 (uint64 bits): element e of row r
-    is -log(u) with u = (2 * (h >> 9) + 1) / 2^24, h = H(H(e ^ lo_r) ^ hi_r), H = _hash32."""
+    is -log(u) with u = (2 * (h >> 9) + 1) / 2^24, h = H(H(e ^ lo_r) ^ hi_r), H = _hash32.
+    invariant: the log by the batch-invariant elementwise kernel (the same bits at any N)."""
     lo = (keys_N & _M32)[:, None]
     hi = ((keys_N >> 32) & _M32)[:, None]
     x = torch.arange(M, device=keys_N.device, dtype=torch.int64)[None, :] ^ lo
     x = _hash32(_hash32(x) ^ hi)
     u = ((x >> 9) * 2 + 1).to(torch.float32).mul_(2.0 ** -24)  # odd / 2^24: exact in fp32, in (0, 1)
-    return u.log_().neg_()
+    return (batch_invariant.log(u) if invariant else u.log_()).neg_()
 
 
 def _torch_logsumexp(x: torch.Tensor) -> torch.Tensor:
@@ -172,6 +173,7 @@ def filter_logits(z_BV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     sort, no host read. invariant: the normalisers by the batch-invariant logsumexp.
     """
     lse = lse_fn(invariant)
+    exp = batch_invariant.exp if invariant else torch.exp
     V = z_BV.shape[1]
     k_B = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
     K = V
@@ -181,19 +183,19 @@ def filter_logits(z_BV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         K = min(V, max(CANDIDATES, max_top_k))
     if K == V:
         sorted_z, order = z_BV.sort(dim=-1, descending=True)
-        return _mask_ranked(z_BV, sorted_z, order, k_B, top_p, None, lse)[0]
+        return _mask_ranked(z_BV, sorted_z, order, k_B, top_p, None, lse, exp)[0]
     vals_BK, idx_BK = z_BV.topk(K, dim=-1)
-    out, inside_B = _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p, lse(z_BV), lse)
+    out, inside_B = _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p, lse(z_BV), lse, exp)
     no_filter_B = (k_B == V) & (top_p >= 1.0)
     out = torch.where(no_filter_B[:, None], z_BV, out)
     wide = (~inside_B & ~no_filter_B).nonzero()[:, 0]
     if wide.numel():
         sorted_z, order = z_BV[wide].sort(dim=-1, descending=True)
-        out[wide] = _mask_ranked(z_BV[wide], sorted_z, order, k_B[wide], top_p[wide], None, lse)[0]
+        out[wide] = _mask_ranked(z_BV[wide], sorted_z, order, k_B[wide], top_p[wide], None, lse, exp)[0]
     return out
 
 
-def _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p_B, lse_full_B, lse=_torch_logsumexp):
+def _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p_B, lse_full_B, lse=_torch_logsumexp, exp=torch.exp):
     """Top-k / top-p over a descending candidate list vals [B, K] (token ids idx [B, K]).
 
     Returns (filtered logits [B, V] with everything outside the kept candidates at -inf,
@@ -205,7 +207,7 @@ def _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p_B, lse_full_B, lse=_torch_log
     lse_B = lse(vals_BK.masked_fill(drop, float("-inf")))  # renormalised over the top-k
     if lse_full_B is not None:
         lse_B = torch.where(k_B <= K, lse_B, lse_full_B)
-    probs = (vals_BK - lse_B[:, None]).exp().masked_fill_(drop, 0.0)
+    probs = exp(vals_BK - lse_B[:, None]).masked_fill_(drop, 0.0)
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= (mass_before >= top_p_B[:, None]) & (top_p_B[:, None] < 1.0)
     drop[:, 0] = False  # always keep the most likely token
@@ -276,7 +278,8 @@ class Sampler:
         if nc * S != V:
             x_NV = F.pad(x_NV, (0, nc * S - V), value=float("-inf"))
         x_NCS = x_NV.view(N, nc, S)
-        log_e = self._exponentials(N, nc + S, sb).log_()
+        e = self._exponentials(N, nc + S, sb)
+        log_e = batch_invariant.log(e) if self.invariant else e.log_()
         chunk_N1 = (chunk_log_mass(x_NCS, self.invariant) - log_e[:, :nc]).argmax(dim=-1, keepdim=True)
         inside_NS = x_NCS.gather(1, chunk_N1[:, :, None].expand(N, 1, S))[:, 0]
         return chunk_N1 * S + (inside_NS - log_e[:, nc:]).argmax(dim=-1, keepdim=True)
@@ -285,12 +288,13 @@ class Sampler:
         """Exp(1) variates [N, M] fp32: hashed from the draw keys for seeded rows, the engine's generator
         for the rest. Clamped away from 0, so -log(E) is finite and a -inf logit stays -inf."""
         if sb.kinds_all & SEEDED:
-            return hashed_exponentials(sb.seed_keys, M)
+            return hashed_exponentials(sb.seed_keys, M, self.invariant)
         rng = torch.empty(N, M, device=sb.temperature.device).exponential_(generator=self.generator)
         rng.clamp_(min=torch.finfo(torch.float32).tiny)
         if not sb.kinds_any & SEEDED:
             return rng
-        return torch.where(((sb.kind & SEEDED) != 0)[:, None], hashed_exponentials(sb.seed_keys, M), rng)
+        return torch.where(((sb.kind & SEEDED) != 0)[:, None], hashed_exponentials(sb.seed_keys, M, self.invariant),
+                           rng)
 
 
 def top_logprobs(lp_NV: torch.Tensor, tokens_N: torch.Tensor, k: int):

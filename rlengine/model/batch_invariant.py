@@ -11,7 +11,9 @@ decoder runs Qwen3Model.forward_invariant on both sides, built from the ops here
   routine: keys in chunks of 32 aligned to absolute positions, merged in position order, so decode
   over pages and the packed causal pass give the same bits;
 - logsumexp: inv_logsumexp over the vocabulary (the sampler's and the learner's log-probs, the
-  sampler's race, the top-k / top-p filter's normalisers).
+  sampler's race, the top-k / top-p filter's normalisers); log / exp: one scalar routine per
+  element (torch's elementwise loops run a vector kernel in the body and a scalar one in the tail,
+  so an element's bits would depend on the tensor's size: the sampler's draws and nucleus masses).
 Residual adds, RoPE tables, the temperature division and the gathers are elementwise and exact.
 Each op is an autograd Function whose forward is the kernel and whose backward is the ordinary
 derivative (written out, or the plain-torch reference re-run under autograd): only the forward has
@@ -27,8 +29,8 @@ import torch.nn.functional as F
 from rlengine import _ext
 from rlengine.model.layers import apply_rope, rms_norm_ref
 
-OPS = ("inv_linear", "inv_attention_varlen", "inv_paged_decode", "inv_logsumexp", "rms_norm", "qk_norm_rope",
-       "silu_and_mul")
+OPS = ("inv_linear", "inv_attention_varlen", "inv_paged_decode", "inv_logsumexp", "inv_log", "inv_exp", "rms_norm",
+       "qk_norm_rope", "silu_and_mul")
 AVAILABLE = all(_ext.has_op(op) for op in OPS)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -170,6 +172,16 @@ def logsumexp(z: torch.Tensor) -> torch.Tensor:
     if not z_NV.is_contiguous():
         z_NV = z_NV.contiguous()
     return _LogSumExp.apply(z_NV).view(z.shape[:-1])
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise log of fp32 x, the same bits wherever an element sits (no autograd)."""
+    return torch.ops.rlengine.inv_log(x)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise exp of fp32 x, the same bits wherever an element sits (no autograd)."""
+    return torch.ops.rlengine.inv_exp(x)
 
 
 class InvariantCausal:
