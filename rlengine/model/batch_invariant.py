@@ -5,8 +5,9 @@ With `model.batch_invariant = True` (LLM(batch_invariant=True), gen.batch_invari
 decoder runs Qwen3Model.forward_invariant on both sides, built from the ops here:
 - linear / logits: csrc/batch_invariant.cpp's inv_linear (K in one fixed order, fp32 lanes; one
   kernel for 1 row and for 8,192; no measured kernel choice, no split-K);
-- rms_norm, qk_norm_rope, silu_and_mul: the per-row C++ kernels of csrc/rms_norm.cpp and
-  csrc/fused_ops.cpp (scalar fp32 loops over one row);
+- rms_norm, qk_norm_rope: the per-row C++ kernels of csrc/rms_norm.cpp and csrc/fused_ops.cpp
+  (scalar fp32 loops over one row); silu_and_mul: inv_silu_and_mul, row by row (the default
+  path's op runs ATen's silu, whose vector body and scalar tail split where the tensor ends);
 - attention: inv_attention_varlen (prefill, learner) and inv_paged_decode (decode) share one
   routine: keys in chunks of 32 aligned to absolute positions, merged in position order, so decode
   over pages and the packed causal pass give the same bits;
@@ -29,8 +30,8 @@ import torch.nn.functional as F
 from rlengine import _ext
 from rlengine.model.layers import apply_rope, rms_norm_ref
 
-OPS = ("inv_linear", "inv_attention_varlen", "inv_paged_decode", "inv_logsumexp", "inv_log", "inv_exp", "rms_norm",
-       "qk_norm_rope", "silu_and_mul")
+OPS = ("inv_linear", "inv_attention_varlen", "inv_paged_decode", "inv_logsumexp", "inv_log", "inv_exp",
+       "inv_silu_and_mul", "rms_norm", "qk_norm_rope")
 AVAILABLE = all(_ext.has_op(op) for op in OPS)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -140,7 +141,7 @@ def _silu_and_mul_ref(x):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return _apply(torch.ops.rlengine.silu_and_mul, _silu_and_mul_ref, x)
+    return _apply(torch.ops.rlengine.inv_silu_and_mul, _silu_and_mul_ref, x)
 
 
 def _attention_ref(q_THD, k_TKD, v_TKD, cu_T, scale):

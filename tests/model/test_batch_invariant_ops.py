@@ -166,3 +166,16 @@ def test_elementwise_log_and_exp_do_not_depend_on_where_an_element_sits():
             assert torch.equal(fn(x[a:b].clone()), full[a:b]), (fn, a, b)
         r = ref(x.double())
         assert ((full.double() - r).abs() <= 2 * 2.0 ** -24 * r.abs() + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_rows_are_invariant_and_match_torch(dtype):
+    """Row by row; against silu(g) * u in float64: the activation rounded once to the dtype and the
+    product once (2 units of roundoff of the product), plus a few fp32 ulps of the sigmoid."""
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(65, 2 * 37, generator=g) * 4).to(dtype)
+    y = inv.silu_and_mul(x)
+    assert all(torch.equal(inv.silu_and_mul(x[i:i + 1]), y[i:i + 1]) for i in (0, 31, 64))
+    gate, up = x.double().chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    assert ((y.double() - ref).abs() <= (2 * ROUND[dtype] + 2.0 ** -20) * ref.abs() + 1e-30).all()
