@@ -106,47 +106,77 @@ inline float hsum(__m512 v) {
 // y[b, r0 + r] for B rows of x and R rows of w: every (b, r) pair runs the same lane recurrence
 // whatever B and R are, so a row's result does not depend on its block. X: float (x widened) or,
 // with AVX512-BF16, bf16 (pairs of products summed into fp32 lanes by vdpbf16ps).
-template <int B, int R, typename X, typename W, typename Y>
-void tile(const X* x, const W* w, int64_t K, int64_t r0, int64_t N, const float* bias, Y* y) {
 #ifdef RLENGINE_INV_AVX512
+// Each accumulator loop is its own function with its accumulators and epilogue local to it, and a
+// do-while (K >= 1): GCC then keeps the R * B accumulators in registers (shared across branches, or
+// in a for-loop, it stored the whole array to the stack on every step).
+#define RLENGINE_INV_EPILOGUE                                    \
+  for (int r = 0; r < R; ++r)                                    \
+    for (int b = 0; b < B; ++b) {                                \
+      float s = hsum(acc[r][b]);                                 \
+      if (bias != nullptr) s += bias[r0 + r];                    \
+      y[b * N + r0 + r] = static_cast<Y>(s);                     \
+    }
+
+template <int B, int R, typename W, typename Y>
+void tile_fma(const float* x, const W* w, int64_t K, int64_t r0, int64_t N, const float* bias, Y* y) {
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  int64_t k = 0;
+  do {
+    const __mmask16 m = K - k >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 xv[B];
+    for (int b = 0; b < B; ++b) xv[b] = load16(x + b * K + k, m);
+    for (int r = 0; r < R; ++r) {
+      const __m512 wv = load16(w + (r0 + r) * K + k, m);
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(wv, xv[b], acc[r][b]);
+    }
+    k += kLanes;
+  } while (k < K);
+  RLENGINE_INV_EPILOGUE
+}
+
+#ifdef RLENGINE_INV_DPBF16
+// bf16 x and w: vdpbf16ps adds the two products of each bf16 pair into one fp32 lane.
+template <int B, int R, typename Y>
+void tile_dp(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t r0, int64_t N, const float* bias,
+             Y* y) {
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  int64_t k = 0;
+  do {
+    const __mmask32 m = K - k >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << (K - k)) - 1);
+    __m512bh xv[B];
+    for (int b = 0; b < B; ++b) xv[b] = (__m512bh)_mm512_maskz_loadu_epi16(m, x + b * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + (r0 + r) * K + k);
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv, xv[b]);
+    }
+    k += 32;
+  } while (k < K);
+  RLENGINE_INV_EPILOGUE
+}
+#endif
+#undef RLENGINE_INV_EPILOGUE
+#endif  // RLENGINE_INV_AVX512
+
+// y[b, r0 + r] for B rows of x and R rows of w: every (b, r) pair runs the same lane recurrence
+// whatever B and R are, so a row's result does not depend on its block. X: float (x widened) or,
+// with AVX512-BF16, bf16 (pairs of products summed into fp32 lanes by vdpbf16ps).
+template <int B, int R, typename X, typename W, typename Y>
+void tile(const X* x, const W* w, int64_t K, int64_t r0, int64_t N, const float* bias, Y* y) {
+#ifdef RLENGINE_INV_AVX512
 #ifdef RLENGINE_INV_DPBF16
   if constexpr (std::is_same_v<X, c10::BFloat16>) {
-    int64_t k = 0;
-    do {  // K >= 1; a do-while keeps the accumulators in registers (GCC stores a for-loop's array each step)
-      const __mmask32 m = K - k >= 32 ? static_cast<__mmask32>(0xFFFFFFFFu) : static_cast<__mmask32>((1u << (K - k)) - 1);
-      __m512bh xv[B];
-      for (int b = 0; b < B; ++b) xv[b] = (__m512bh)_mm512_maskz_loadu_epi16(m, x + b * K + k);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + (r0 + r) * K + k);
-        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv, xv[b]);
-      }
-      k += 32;
-    } while (k < K);
+    tile_dp<B, R>(x, w, K, r0, N, bias, y);
+    return;
   } else
 #endif
   {
-    int64_t k = 0;
-    do {
-      const __mmask16 m = K - k >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
-      __m512 xv[B];
-      for (int b = 0; b < B; ++b) xv[b] = load16(reinterpret_cast<const float*>(x) + b * K + k, m);
-      for (int r = 0; r < R; ++r) {
-        const __m512 wv = load16(w + (r0 + r) * K + k, m);
-        for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(wv, xv[b], acc[r][b]);
-      }
-      k += kLanes;
-    } while (k < K);
+    tile_fma<B, R>(reinterpret_cast<const float*>(x), w, K, r0, N, bias, y);
   }
-  // hsum: one fixed shuffle-and-add sequence (intrinsics are never reassociated)
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) {
-      float s = hsum(acc[r][b]);
-      if (bias != nullptr) s += bias[r0 + r];
-      y[b * N + r0 + r] = static_cast<Y>(s);
-    }
 #else
   alignas(64) float lanes[R][B][kLanes];
   for (int r = 0; r < R; ++r)
