@@ -15,6 +15,8 @@ BENCHMARKS = {
     "packed_attention": "packed causal attention: one padded SDPA vs a per-sequence loop, forward and backward",
     "skinny_linear": "the C++ skinny linear (B_act = 1-4 rows) against torch's linear at decode shapes (CPU)",
     "host_overhead": "the engine's host-side work per decode step (schedule, prepare, postprocess), no forward",
+    "decode_profile": "a CPU decode step's parts (projections, attention, norms, sampler, host) per B_act and dtype, "
+                      "against the linear floor and transformers",
 }
-MICRO = ("paged_decode", "moe", "logprob", "packed_attention", "skinny_linear", "host_overhead")
+MICRO = ("paged_decode", "moe", "logprob", "packed_attention", "skinny_linear", "host_overhead", "decode_profile")
 MODULES = {name: f"rlengine.benchmarks.{'micro.' if name in MICRO else ''}{name}" for name in BENCHMARKS}
