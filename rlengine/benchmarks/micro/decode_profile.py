@@ -67,7 +67,8 @@ def instrumented(llm: LLM, timers: Timers):
     saved = {"sampler": runner.sampler, "prepare": runner.inputs.prepare}
     op_dispatch.CPU_OPS = op_dispatch.FusedOps(timers.wrap("norms", ops.rms_norm),
                                                timers.wrap("norms", ops.fused_add_rms_norm),
-                                               timers.wrap("rope", ops.qk_norm_rope), timers.wrap("act", ops.silu_and_mul),
+                                               timers.wrap("rope", ops.qk_norm_rope),
+                                               timers.wrap("act", ops.silu_and_mul),
                                                timers.wrap("projections", ops.linear))
     llm.backend.attend = timers.wrap("attention", llm.backend.attend)
     llm.backend.plan = timers.wrap("prepare", llm.backend.plan)
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated (default: %(default)s)")
     p.add_argument("--batches", default="1,8,32,64", help="comma-separated B_act (default: %(default)s)")
     p.add_argument("--context", type=int, default=32, help="prompt tokens per sequence (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=16, help="timed steps, plain and instrumented each (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=16,
+                   help="timed steps, plain and instrumented each (default: %(default)s)")
     p.add_argument("--hf-gen-len", type=int, default=16, help="tokens per transformers run (default: %(default)s)")
     p.add_argument("--cpu-kernels", default="cache",
                    help="the engine's kernel choice (LLM(cpu_kernels=...): measure, cache, torch, skinny, a table)"
@@ -213,7 +215,8 @@ def main(argv=None) -> int:
                   f"(ratio {r['ratio']:.2f}x), linear floor {r['linear_ms']:.2f} ms "
                   f"(step / linear {r['step_over_linear']:.2f})", flush=True)
     report(args.name, rows, out=args.out, columns=COLUMNS, device="cpu",
-           extra={"model": args.model, "cpu_kernels": args.cpu_kernels, "context": args.context, "steps": args.steps, "threads": torch.get_num_threads(),
+           extra={"model": args.model, "cpu_kernels": args.cpu_kernels, "context": args.context,
+                  "steps": args.steps, "threads": torch.get_num_threads(),
                   "goals": {"fp32_ratio_b1": 2.5, "fp32_ratio_b8_64": 1.5, "bf16_ratio": 1.5, "step_over_linear": 1.3}})
     return 0
 
