@@ -6,7 +6,7 @@
 //       -> (q[T, H, D], k[T, Hkv, D]): per-head RMSNorm then rotate-half RoPE, as Hugging Face Qwen3 does;
 //       q_w = k_w = None (Qwen2, Llama: no q/k norm) skips the norm. D is read from cos_sin.
 // Rounding follows the torch expressions they replace: intermediate results are rounded to the
-// input dtype where the reference rounds (identical in fp32).
+// input dtype where the reference rounds (identical in fp32). silu_and_mul is that expression in ATen.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -21,26 +21,12 @@ inline float f(T v) { return static_cast<float>(v); }
 torch::Tensor silu_and_mul(const torch::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) % 2 == 0,
               "silu_and_mul: x must be a CPU tensor [..., 2F], got ", x.sizes());
-  auto xc = x.contiguous();
-  const int64_t F2 = x.size(-1), F = F2 / 2, rows = F2 == 0 ? 0 : xc.numel() / F2;
-  auto sizes = x.sizes().vec();
-  sizes.back() = F;
-  auto out = torch::empty(sizes, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
-    const scalar_t* in = xc.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        const scalar_t* g = in + r * F2;
-        const scalar_t* u = g + F;
-        for (int64_t i = 0; i < F; ++i) {
-          const float gv = f(g[i]);
-          const scalar_t act = static_cast<scalar_t>(gv / (1.f + std::exp(-gv)));
-          o[r * F + i] = static_cast<scalar_t>(f(act) * f(u[i]));
-        }
-      }
-    });
-  });
+  // ATen's vectorised silu then an in-place multiply, inside one op: the torch expression
+  // silu(g) * u exactly (same rounding), without Python's per-op dispatch. A scalar loop with
+  // std::exp here cost ~14 ns per element in bf16: 11 ms of a 66 ms qwen3-30m step at B_act 64.
+  const int64_t F = x.size(-1) / 2;
+  auto out = at::silu(x.narrow(-1, 0, F));
+  out.mul_(x.narrow(-1, F, F));
   return out;
 }
 

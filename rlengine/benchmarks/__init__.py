@@ -16,6 +16,9 @@ BENCHMARKS = {
     "skinny_linear": "the C++ skinny linear (B_act = 1-4 rows) against torch's linear at decode shapes (CPU)",
     "host_overhead": "the engine's host-side work per decode step (schedule, prepare, postprocess), no forward",
     "batch_invariant": "batch-invariant mode against the default: decode step per B_act and learner step (CPU)",
+    "decode_profile": "a CPU decode step's parts (projections, attention, norms, sampler, host) per B_act and dtype, "
+                      "against the linear floor and transformers",
 }
-MICRO = ("paged_decode", "moe", "logprob", "packed_attention", "skinny_linear", "host_overhead", "batch_invariant")
+MICRO = ("paged_decode", "moe", "logprob", "packed_attention", "skinny_linear", "host_overhead", "batch_invariant",
+         "decode_profile")
 MODULES = {name: f"rlengine.benchmarks.{'micro.' if name in MICRO else ''}{name}" for name in BENCHMARKS}

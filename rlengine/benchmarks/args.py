@@ -1,8 +1,9 @@
 """Options and validation shared by the installed benchmarks, run right after argparse.
 
-add_model_options declares the model options every model benchmark takes. Each benchmark's main(argv) calls check_args before building a model: a bad option is a
-ConfigError naming the option (one line from `rlengine bench NAME`, exit code 2), never a
-traceback from deep inside the sweep.
+add_model_options declares the model options every model benchmark takes; HelpFormatter shows
+every option's default in --help. Each benchmark's main(argv) calls check_args before building
+a model: a bad option is a ConfigError naming the option (one line from `rlengine bench NAME`,
+exit code 2), never a traceback from deep inside the sweep.
 """
 
 from __future__ import annotations
@@ -15,11 +16,25 @@ from rlengine.config import DTYPES, ConfigError
 from rlengine.preflight import check_backend, check_device
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and "(default: X)" after each option's help (lists as a,b,c),
+    unless the help already says its default or there is none to show (None, False)."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 def add_model_options(p: argparse.ArgumentParser, *, dtypes=tuple(DTYPES), model_help: str = "preset name") -> None:
     """--model (default qwen3-30m, the CPU decode benchmark shape), --dtype, --device (cuda when available)."""
     p.add_argument("--model", default="qwen3-30m", help=model_help)
-    p.add_argument("--dtype", default="float32", choices=list(dtypes))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=list(dtypes), help="weights and compute dtype")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (cuda when one is available)")
 
 
 def int_list(text: str, option: str) -> list[int]:

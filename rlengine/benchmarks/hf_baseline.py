@@ -6,13 +6,14 @@
             transformers offers on a GPU). On a CPU transformers does not compile unless told
             to; the benchmark tells it to (CompileConfig._compile_all_devices), and CPU tests
             use torch.compile's "eager" backend to stay fast. The label says which backend ran.
-Per-step time: a streamer stamps the host clock each time generate() hands it a token (after
+Per-step records: a streamer stamps the host clock each time generate() hands it a token (after
 the step's host sync, which generate() makes anyway to test for finished sequences); the gaps
 between consecutive new tokens are the gen-len - 1 decode steps, each with generate()'s own
-per-step work (cache update, logits processors, stopping criteria). This replaces the older
-(t(gen-len tokens) - t(1 token)) / (gen-len - 1), which a loaded machine could drive to
-nonsense (two large prefill times subtracted). Ragged prompts are left-padded with an attention
-mask. Every sequence's tokens are returned for the agreement check.
+per-step work (cache update, logits processors, stopping criteria). The benchmark's default
+step time is the wall-clock difference of a gen-len-token and a 1-token call
+(decode_rounds.py); the gaps are its cross-check, since under heavy load the two walls of a
+difference can move apart. Ragged prompts are left-padded with an attention mask. Every
+sequence's tokens are returned for the agreement check.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 format_table prints rows as an aligned plain-text table; write_result writes {out}/{name}.json
 with the rows, any extra fields and the provenance (telemetry/provenance.py) under
-"conditions", and says where it went.
+"conditions", and says where it went. free_name picks a result name that leaves earlier
+result files alone unless the user named the file.
 """
 
 from __future__ import annotations
@@ -31,3 +32,17 @@ def write_result(out: str | Path, name: str, rows: list[dict], *, conditions: di
     path = write_json(Path(out) / f"{name}.json", payload, device=device, llm=llm)
     print(f"wrote {path}")
     return path
+
+
+def free_name(out: str | Path, name: str | None, default: str, suffixes: tuple[str, ...] = (".json",)) -> str:
+    """The result name to write under `out`: `name` when the user gave one (an existing file of that
+    name is replaced, and the caller says so), else `default`, or default-2, default-3, ... when
+    {out}/{default}{suffix} exists for any suffix, so an earlier default-named result is never overwritten."""
+    if name is not None:
+        return name
+    taken = lambda n: any((Path(out) / f"{n}{s}").exists() for s in suffixes)  # noqa: E731
+    candidate, i = default, 1
+    while taken(candidate):
+        i += 1
+        candidate = f"{default}-{i}"
+    return candidate

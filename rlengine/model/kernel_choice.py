@@ -37,6 +37,7 @@ MODES = ("measure", "torch", "skinny", "pinned")
 MARGIN = 0.9          # a non-torch candidate must take <= 0.9x torch's median to be chosen
 MIN_ROUNDS, MAX_ROUNDS = 3, 7
 ROUND_BUDGET_S = 0.25  # stop adding rounds once the timing has taken this long (big LM heads)
+TIMING = "cold-weights"  # how candidates are timed (ops.py: weights streamed from memory); part of the cache key
 
 
 def rows_class(rows: int) -> str:
@@ -85,7 +86,8 @@ def pick(ms: dict[str, float], reference: str = "torch") -> str:
 
 
 def machine_key() -> dict:
-    """What the cache is keyed by: CPU model and flags, torch and rlengine versions."""
+    """What the cache is keyed by: CPU model and flags, torch and rlengine versions, threads, timing method
+    (a table timed another way is not reused)."""
     model, flags = platform.processor() or platform.machine(), ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -98,7 +100,8 @@ def machine_key() -> dict:
         pass
     from rlengine import __version__
     return {"cpu": model, "flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:12],
-            "torch": torch.__version__, "rlengine": __version__, "threads": torch.get_num_threads()}
+            "torch": torch.__version__, "rlengine": __version__, "threads": torch.get_num_threads(),
+            "timing": TIMING}
 
 
 class KernelChoices:

@@ -7,7 +7,8 @@ sides share. One table per device, chosen here and nowhere else:
 - CPU: the C++ ops of csrc/fused_ops.cpp; projections and the LM head through whichever of
   torch's linear, the C++ skinny linear (csrc/skinny_linear.cpp, a weight stream for <= 8 rows)
   and, for bf16, an fp32 GEMM over V-chunks of the upcast weight is fastest on this machine for
-  the shape (KERNELS, rlengine/model/kernel_choice.py: timed at first use, or pinned).
+  the shape (KERNELS, rlengine/model/kernel_choice.py: timed at first use on weights streamed from
+  memory, as in a decode step, or pinned).
 - GPU: the Triton kernels of kernels/fused_norm.py (capturable in the decode CUDA graphs).
 - Neither built: None, the torch ops.
 Fused kernels replace the elementwise chains of each layer (residual add + RMSNorm, q/k norm +
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -74,12 +76,47 @@ def _choose(op: str, x_BK: torch.Tensor, w_NK: torch.Tensor, candidates: Callabl
     return impl
 
 
+def _llc_bytes() -> int:
+    """The largest CPU cache on this machine (sysfs), 32 MiB where it cannot be read."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = path.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            pass
+    return max(sizes, default=32 << 20)
+
+
+COLD_BYTES = 2 * _llc_bytes()  # weights the candidates rotate over while timed: twice the last-level cache
+COLD_MAX_COPIES = 32
+
+
+class _ColdWeights:
+    """The weight and, made at the first timed call, enough copies of it to fill COLD_BYTES: each call
+    takes the next one, so every candidate is timed streaming its weight from memory, as a decode step
+    streams each layer's weights. Timed on one hot weight, a kernel that wins from cache can lose the
+    real step: on a 2-core EPYC the skinny GEMV beat torch's linear at 8 rows by 15% from L3 and made
+    the qwen3-30m decode step 2x slower (rlengine/benchmarks/micro/decode_profile.py)."""
+
+    def __init__(self, w_NK: torch.Tensor):
+        self.w_NK, self.copies, self.i = w_NK, None, 0
+
+    def next(self) -> torch.Tensor:
+        if self.copies is None:
+            n = min(COLD_MAX_COPIES, -(-COLD_BYTES // max(1, self.w_NK.numel() * self.w_NK.element_size())))
+            self.copies = [self.w_NK] + [self.w_NK.clone() for _ in range(n - 1)]
+        self.i = (self.i + 1) % len(self.copies)
+        return self.copies[self.i]
+
+
 def _linear_candidates(x_BK, w_NK) -> dict:
-    cands = {"torch": lambda: F.linear(x_BK, w_NK)}
+    cold = _ColdWeights(w_NK)
+    cands = {"torch": lambda: F.linear(x_BK, cold.next())}
     if _skinny_ok(x_BK, w_NK):
-        cands["skinny"] = lambda: torch.ops.rlengine.skinny_linear(x_BK, w_NK)
+        cands["skinny"] = lambda: torch.ops.rlengine.skinny_linear(x_BK, cold.next())
     if x_BK.dtype == torch.bfloat16 and w_NK.dtype == torch.bfloat16:
-        cands["upcast"] = lambda: _upcast_matmul(x_BK, w_NK, torch.bfloat16)
+        cands["upcast"] = lambda: _upcast_matmul(x_BK, cold.next(), torch.bfloat16)
     return cands
 
 
@@ -97,13 +134,14 @@ def linear_nograd(x_TC: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _logits_candidates(h_BC, w_VC) -> dict:
+    cold = _ColdWeights(w_VC)
     if h_BC.dtype == torch.float32:
-        cands = {"torch": lambda: F.linear(h_BC, w_VC)}
+        cands = {"torch": lambda: F.linear(h_BC, cold.next())}
     else:  # torch's own way to fp32 logits from bf16 weights is the full upcast ([V, C] fp32 copy)
-        cands = {"torch": lambda: F.linear(h_BC.float(), w_VC.float()),
-                 "upcast": lambda: _upcast_matmul(h_BC, w_VC, torch.float32)}
+        cands = {"torch": lambda: F.linear(h_BC.float(), cold.next().float()),
+                 "upcast": lambda: _upcast_matmul(h_BC, cold.next(), torch.float32)}
     if _skinny_ok(h_BC, w_VC):
-        cands["skinny"] = lambda: torch.ops.rlengine.skinny_logits(h_BC, w_VC)
+        cands["skinny"] = lambda: torch.ops.rlengine.skinny_logits(h_BC, cold.next())
     return cands
 
 

@@ -2,8 +2,9 @@
 
 `rlengine plot --kind KIND FILE.json [-o OUT.png]`, or the same arguments to tools/plots.py:
   python tools/plots.py decode bench/results/decode.json -o decode.png
-      tokens/s and ms/step against B_act, with the roofline bound when the rows carry it
-      (rows: b_act, tokens_per_s, ms_per_step[, roofline_tokens_per_s])
+      tokens/s and ms/step against B_act for rlengine and, where the rows carry them, transformers
+      (hf_*, hf_static_*) and the roofline bound, one line per context
+      (rows: b_act, tokens_per_s, ms_per_step[, hf_tokens_per_s, hf_ms_per_step, roofline_tokens_per_s, context])
   python tools/plots.py asymmetry bench/results/asymmetry.json -o asym.png
       responses and collection time normalised to the smallest batch, as grouped bars
       (rows: b, responses, t_gen[, t_train])
@@ -49,24 +50,35 @@ def _save(fig, out: str | Path) -> Path:
     return out
 
 
+_DECODE_PROVIDERS = (("", "rlengine", "o-"), ("hf_", "transformers", "s--"),
+                     ("hf_static_", "transformers static+compile", "^:"))
+
+
 def plot_decode(data: dict, out: str | Path) -> Path:
-    """Two panels against B_act (log2 x): tokens/s with the roofline bound, and ms per step."""
+    """Two panels against B_act (log2 x): tokens/s with the roofline bound, and ms per step; one line per
+    provider present in the rows (rlengine, transformers hf_*, hf_static_*) and per context length."""
     rows = sorted(_rows(data, ("b_act", "tokens_per_s", "ms_per_step"), "decode"), key=lambda r: r["b_act"])
-    b = [r["b_act"] for r in rows]
+    contexts = sorted({r.get("context") for r in rows}, key=lambda c: (c is None, c))
     fig, (ax_q, ax_t) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_q.plot(b, [r["tokens_per_s"] for r in rows], "o-", label="measured")
-    bound = [r.get("roofline_tokens_per_s") for r in rows]
-    if any(v is not None for v in bound):
-        pts = [(x, v) for x, v in zip(b, bound) if v is not None]
-        ax_q.plot(*zip(*pts), "k--", label="roofline bound (Eq. 5 of docs/METHOD.md)")
+    for ctx in contexts:
+        at = [r for r in rows if r.get("context") == ctx]
+        tag = f", context {ctx}" if len(contexts) > 1 else ""
+        for prefix, label, style in _DECODE_PROVIDERS:
+            pts = [(r["b_act"], r[f"{prefix}tokens_per_s"], r[f"{prefix}ms_per_step"]) for r in at
+                   if r.get(f"{prefix}tokens_per_s") is not None and r.get(f"{prefix}ms_per_step") is not None]
+            if pts:
+                b, q, t = zip(*pts)
+                ax_q.plot(b, q, style, label=label + tag)
+                ax_t.plot(b, t, style, label=label + tag)
+        bound = [(r["b_act"], r["roofline_tokens_per_s"]) for r in at if r.get("roofline_tokens_per_s") is not None]
+        if bound:
+            ax_q.plot(*zip(*bound), "k--", lw=0.8, label="roofline bound (Eq. 5 of docs/METHOD.md)" + tag)
     ax_q.set(yscale="log", xlabel="B_act", ylabel="tokens/s", title="decode throughput")
-    ax_q.set_xscale("log", base=2)
-    ax_q.legend()
-    ax_t.plot(b, [r["ms_per_step"] for r in rows], "o-")
     ax_t.set(xlabel="B_act", ylabel="ms / step", title="decode step latency")
-    ax_t.set_xscale("log", base=2)
     for ax in (ax_q, ax_t):
+        ax.set_xscale("log", base=2)
         ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     return _save(fig, out)
 
 

@@ -156,3 +156,31 @@ def test_info_kernels_prints_and_saves_a_table_that_pins(monkeypatch, tmp_path, 
     x, w = torch.randn(3, 64), torch.randn(*shapes["qkv"])
     ops.linear_nograd(x, w)  # a pinned class: no timing, no error
     assert ops.KERNELS.mode == "pinned"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_candidates_are_timed_on_weights_streamed_from_memory(monkeypatch, dtype):
+    """Each candidate call takes the next of enough weight copies to fill COLD_BYTES (a hot weight in
+    cache favours another kernel than the decode step's streamed one), and computes x @ w.T on it."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 64, generator=g).to(dtype), torch.randn(96, 64, generator=g).to(dtype)
+    monkeypatch.setattr(ops, "COLD_BYTES", 5 * w.numel() * w.element_size())
+    taken = []
+
+    class Recording(ops._ColdWeights):
+        def next(self):
+            taken.append(super().next())
+            return taken[-1]
+
+    monkeypatch.setattr(ops, "_ColdWeights", Recording)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 output rounding (8 bits of mantissa)
+    for make, out_dtype in ((ops._linear_candidates, dtype), (ops._logits_candidates, torch.float32)):
+        ref = F.linear(x.double(), w.double())
+        for name, fn in make(x, w).items():
+            taken.clear()
+            for _ in range(5):
+                out = fn()
+                assert out.dtype == out_dtype, name
+                torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+            assert len({t.data_ptr() for t in taken}) == 5, name      # five distinct copies, one per call
+            assert all(torch.equal(t, w) for t in taken)
