@@ -114,12 +114,16 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32, help="new tokens per decode measurement")
     p.add_argument("--train-batch", type=int, default=64, help="responses in the learner's batch (multiple of 8)")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default); 1 is steadier on a "
+                                                            "loaded machine")
     p.add_argument("--out", default=None, help="directory of the JSON (default bench/results)")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     rows = run(a.models.split(","), a.dtypes.split(","), [int(b) for b in a.batches.split(",")], a.tokens, a.reps,
                a.train_batch)
     report("batch_invariant", rows, out=a.out, columns=COLUMNS,
-           extra={"method": "decode: (wall(generate tokens) - wall(generate 1)) / (tokens - 1), median of reps, "
+           extra={"threads": torch.get_num_threads(), "method": "decode: (wall(generate tokens) - wall(generate 1)) / (tokens - 1), median of reps, "
                             "modes alternating; learner: token_logprobs forward + backward"})
     return 0
 
