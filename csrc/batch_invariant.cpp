@@ -107,13 +107,18 @@ inline float hsum(__m512 v) {
 // whatever B and R are, so a row's result does not depend on its block. X: float (x widened) or,
 // with AVX512-BF16, bf16 (pairs of products summed into fp32 lanes by vdpbf16ps).
 #ifdef RLENGINE_INV_AVX512
-// Each accumulator loop is its own function with its accumulators and epilogue local to it, and a
-// do-while (K >= 1): GCC then keeps the R * B accumulators in registers (shared across branches, or
-// in a for-loop, it stored the whole array to the stack on every step).
+// Each accumulator loop is its own function with its accumulators local to it and a do-while
+// (K >= 1), so GCC keeps the R * B accumulators in registers.
+// The sums are taken in fully unrolled loops: an accumulator indexed at run time would put the
+// array in memory, and GCC then stores it on every step of the k loop.
 #define RLENGINE_INV_EPILOGUE                                    \
+  float sums[R][B];                                              \
+  _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r)           \
+    _Pragma("GCC unroll 32") for (int b = 0; b < B; ++b)         \
+      sums[r][b] = hsum(acc[r][b]);                              \
   for (int r = 0; r < R; ++r)                                    \
     for (int b = 0; b < B; ++b) {                                \
-      float s = hsum(acc[r][b]);                                 \
+      float s = sums[r][b];                                      \
       if (bias != nullptr) s += bias[r0 + r];                    \
       y[b * N + r0 + r] = static_cast<Y>(s);                     \
     }
@@ -129,6 +134,7 @@ void tile_fma(const float* x, const W* w, int64_t K, int64_t r0, int64_t N, cons
     __m512 xv[B];
     for (int b = 0; b < B; ++b) xv[b] = load16(x + b * K + k, m);
     for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + R + r) * K + k), _MM_HINT_T0);  // the next tile's rows
       const __m512 wv = load16(w + (r0 + r) * K + k, m);
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(wv, xv[b], acc[r][b]);
     }
@@ -151,6 +157,7 @@ void tile_dp(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, int64_t 
     __m512bh xv[B];
     for (int b = 0; b < B; ++b) xv[b] = (__m512bh)_mm512_maskz_loadu_epi16(m, x + b * K + k);
     for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + R + r) * K + k), _MM_HINT_T0);  // the next tile's rows
       const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, w + (r0 + r) * K + k);
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], wv, xv[b]);
     }
