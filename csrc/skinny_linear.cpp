@@ -37,22 +37,31 @@ inline void store_out(float* y, float v) { *y = v; }
 inline void store_out(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }
 
 // Rows [r0, r0 + R) of w against all B rows of xf (fp32, [B, K]); R in 1..4. Y: W's type, or float.
+// K >= 1 (supported() checks it): a do-while, and the sums taken in unrolled loops, keep the
+// accumulators in registers (otherwise GCC stores the array on every step); the next R weight rows
+// are prefetched, so the stream from memory keeps several rows in flight.
 template <int B, int R, typename W, typename Y>
 inline void rows_kernel(const float* xf, const W* w, int64_t K, int64_t r0, int64_t N, Y* y) {
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
+  int64_t k = 0;
+  do {
     const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
     __m512 xv[B];
     for (int b = 0; b < B; ++b) xv[b] = _mm512_maskz_loadu_ps(m, xf + b * K + k);
     for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r0 + R + r) * K + k), _MM_HINT_T0);
       const __m512 wv = load16(w + (r0 + r) * K + k, m);
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(wv, xv[b], acc[r][b]);
     }
-  }
+    k += 16;
+  } while (k < K);
+  float sums[R][B];
+  _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r)
+    _Pragma("GCC unroll 32") for (int b = 0; b < B; ++b) sums[r][b] = _mm512_reduce_add_ps(acc[r][b]);
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) store_out(y + b * N + r0 + r, _mm512_reduce_add_ps(acc[r][b]));
+    for (int b = 0; b < B; ++b) store_out(y + b * N + r0 + r, sums[r][b]);
 }
 
 template <int B, typename W, typename Y>
