@@ -15,6 +15,7 @@ BENCHMARKS = {
     "packed_attention": "packed causal attention: one padded SDPA vs a per-sequence loop, forward and backward",
     "skinny_linear": "the C++ skinny linear (B_act = 1-4 rows) against torch's linear at decode shapes (CPU)",
     "host_overhead": "the engine's host-side work per decode step (schedule, prepare, postprocess), no forward",
+    "shared_prefix": "decode step time with and without shared-prefix (cascade) decode for GRPO groups (CPU)",
 }
-MICRO = ("paged_decode", "moe", "logprob", "packed_attention", "skinny_linear", "host_overhead")
+MICRO = ("paged_decode", "moe", "logprob", "packed_attention", "skinny_linear", "host_overhead", "shared_prefix")
 MODULES = {name: f"rlengine.benchmarks.{'micro.' if name in MICRO else ''}{name}" for name in BENCHMARKS}

@@ -44,6 +44,8 @@ On a CPU, cpu_kernels picks how the projections and the LM head run (rlengine/mo
 "cache" (the default) times torch's linear against the C++ skinny linear (and, in bf16, a chunked
 fp32 upcast) per shape class at first use and keeps the choice per machine in ~/.cache/rlengine;
 "measure" does not touch the disk; "torch" / "skinny" fix one rule; a saved table's .json pins it.
+shared_prefix_decode (default on): decode steps attend a GRPO group's shared prompt pages once per
+group (cascade attention, engine/attention/cascade.py) on the cpp and triton backends.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class LLM:
                  moe_impl: str = "ref", record_routing: bool = False, enforce_eager: bool = False,
                  cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
-                 trust_remote_code: bool = False, cpu_kernels: str = "cache"):
+                 trust_remote_code: bool = False, cpu_kernels: str = "cache", shared_prefix_decode: bool = True):
         _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization)
         if gpu_memory_utilization is not None and (num_kv_blocks is not None or kv_cache_memory is not None
                                                    or kv_pool is not None):
@@ -132,6 +134,7 @@ class LLM:
         self.kv_cache = self.kv_pool.cache
         backend_cls = resolve_backend(attention_backend, self.device)
         self.backend = backend_cls(self.kv_cache, cfg.num_attention_heads, cfg.head_dim, max_num_seqs)
+        self.backend.shared_prefix = shared_prefix_decode and self.backend.supports_shared_prefix
         max_pages = -(-self.max_model_len // block_size)
         self.block_manager = BlockManager(0, block_size, max_seqs=max_num_seqs, max_pages_per_seq=max_pages,
                                           pool=self.kv_pool.blocks)

@@ -92,7 +92,8 @@ class GenSection:
     # CPU kernels: measure (timed at first use) | cache (measured once per machine, ~/.cache/rlengine) |
     # torch | skinny | a saved table's .json path (pinned: a seeded run reproduces token for token)
     cpu_kernels: str = "cache"
-
+    # decode a GRPO group's shared prompt pages once per group (cascade attention; cpp / triton backends)
+    shared_prefix_decode: bool = True
 
     def __post_init__(self):
         _check(self.b_gen >= 0, f"gen.b_gen must be >= 0, got {self.b_gen}")
