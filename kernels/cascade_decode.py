@@ -26,6 +26,7 @@ from rlengine.kernels.paged_decode import (_BLOCK_N, _LOG2E, DecodeWorkspace, _c
                                            _split_kernel, choose_num_splits, paged_decode_ref)
 
 MAX_ROWS_PER_PROGRAM = 64   # query rows (chunk rows * G) one prefix program holds: its BLOCK_M cap
+MAX_ROWS_FP32 = 32          # fp32 tiles: 64 rows spill ~35 KB per thread on sm_90 (tools/sm90), 32 rows ~1.9 KB
 MAX_SUFFIX_SPLITS = 4       # suffixes are a response long; a few splits keep B * Hkv * S programs busy
 
 
@@ -94,6 +95,11 @@ def _prefix_kernel(
     tl.store(part_lse_ptr + b * stride_lb + heads * stride_lh, lse, mask=mask_m)
 
 
+def max_rows_per_program(dtype: torch.dtype) -> int:
+    """The most query rows (chunk rows * G) one prefix program takes for this dtype."""
+    return MAX_ROWS_FP32 if dtype == torch.float32 else MAX_ROWS_PER_PROGRAM
+
+
 def alloc_cascade_workspace(max_batch: int, num_heads: int, head_dim: int,
                             device: torch.device | str) -> DecodeWorkspace:
     """Partial buffers for cascade_decode calls of up to max_batch sequences (1 + MAX_SUFFIX_SPLITS slots)."""
@@ -113,7 +119,7 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     q [B, H, D]; k_cache, v_cache [num_blocks, P, Hkv, D]; chunk_indptr int32 [C+1] (batch rows of each
     chunk, covering 0..B), prefix_indptr int32 [C+1] into prefix_indices (whole shared pages; a chunk
     without any reads no prefix); kv_indptr / kv_indices / kv_last_page_len: each row's own pages
-    (FlashInfer CSR). max_rows (host): most rows in a chunk, max_rows * G <= MAX_ROWS_PER_PROGRAM.
+    (FlashInfer CSR). max_rows (host): most rows in a chunk, max_rows * G <= max_rows_per_program(dtype).
     max_suffix_pages (host) only picks the suffix splits S; num_splits pins S (1..MAX_SUFFIX_SPLITS).
     Nothing is allocated when out= is given; nothing syncs with the host.
     """
@@ -130,8 +136,9 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if prefix_indptr.shape[0] != C + 1 or C < 1:
         raise ValueError(f"cascade_decode: chunk_indptr [{C + 1}] and prefix_indptr [{prefix_indptr.shape[0]}] "
                          "must both be [C+1] with C >= 1")
-    if not 1 <= max_rows * G <= MAX_ROWS_PER_PROGRAM:
-        raise ValueError(f"cascade_decode: max_rows * G = {max_rows} * {G} must be in 1..{MAX_ROWS_PER_PROGRAM}")
+    cap = max_rows_per_program(q.dtype)
+    if not 1 <= max_rows * G <= cap:
+        raise ValueError(f"cascade_decode: max_rows * G = {max_rows} * {G} must be in 1..{cap} for {q.dtype}")
     if num_splits is None:
         num_splits = min(MAX_SUFFIX_SPLITS, choose_num_splits(B, Hkv, max_suffix_pages, P, q.device))
     S1 = 1 + num_splits

@@ -19,6 +19,7 @@ A graph bucket's batch (static) always runs plain decode: the cascade launch dep
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from rlengine import _ext
@@ -70,9 +71,10 @@ class AttentionBackend:
         rows sharing a whole page). Host work on the step's host page tables."""
         if not self.shared_prefix or batch.kind != "decode" or batch.static or batch.kv_indices_host is None:
             return None
-        B = batch.batch_size
-        indptr = batch.kv_indptr_host.numpy()[:B + 1]
-        plan = plan_cascade(indptr, batch.kv_indices_host[:int(indptr[B])], self.cascade_max_rows)
+        # page counts from the host context lengths (the same rule step_inputs lays the tables out by)
+        indptr = np.zeros(batch.batch_size + 1, np.int64)
+        np.cumsum(-(-batch.context_lens // self.kv.block_size), out=indptr[1:])
+        plan = plan_cascade(indptr, batch.kv_indices_host[:indptr[-1]], self.cascade_max_rows)
         self.num_cascade_steps += plan is not None
         return plan
 

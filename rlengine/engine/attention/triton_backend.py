@@ -46,7 +46,7 @@ class TritonBackend(AttentionBackend):
 
         self._cd = cd
         G = num_heads // kv_cache.data.shape[4]
-        self.cascade_max_rows = max(1, cd.MAX_ROWS_PER_PROGRAM // G)
+        self.cascade_max_rows = max(1, cd.max_rows_per_program(kv_cache.data.dtype) // G)
         self.cascade_workspace = cd.alloc_cascade_workspace(max_num_seqs, num_heads, head_dim, device)
         # cascade tables: two pinned staging buffers taken in turn (under overlap a step's copy may still be
         # pending while the next step is planned) and one device buffer; grown in plan()
