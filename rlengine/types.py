@@ -38,6 +38,9 @@ class ForwardBatch:
     # host fields context_lens / max_num_pages are capture-time placeholders that decode must not
     # read. kv_indptr_host / kv_last_page_len_host stay live (plan() runs before every replay).
     static: bool = False
+    # decode: [>= kv_indptr[-1]] int32 the page tables on the host (numpy view of the staging buffer),
+    # read by plan() for shared-prefix decode; None when the step has none
+    kv_indices_host: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:

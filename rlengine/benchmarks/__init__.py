@@ -18,7 +18,8 @@ BENCHMARKS = {
     "batch_invariant": "batch-invariant mode against the default: decode step per B_act and learner step (CPU)",
     "decode_profile": "a CPU decode step's parts (projections, attention, norms, sampler, host) per B_act and dtype, "
                       "against the linear floor and transformers",
+    "shared_prefix": "decode step time with and without shared-prefix (cascade) decode for GRPO groups (CPU)",
 }
 MICRO = ("paged_decode", "moe", "logprob", "packed_attention", "skinny_linear", "host_overhead", "batch_invariant",
-         "decode_profile")
+         "decode_profile", "shared_prefix")
 MODULES = {name: f"rlengine.benchmarks.{'micro.' if name in MICRO else ''}{name}" for name in BENCHMARKS}

@@ -28,24 +28,21 @@ StepRecord.seconds: in the synchronous engine a step's own wall time; with overl
 the later of its launch and the previous step's read to its own read, so a run's records still add
 up to its wall-clock generation time (the asymmetry fits rely on that).
 Engines on one device share one KV pool: LLM(model, kv_pool=other.kv_pool) decodes in the other
-engine's cache and blocks (the trainer's eval engine), never allocating a second cache. For a
-training run, size the pool with rlengine.analysis.memory_plan (num_kv_blocks=plan.num_kv_blocks):
-alone, an LLM on a GPU takes 0.8 x the free device memory, or with gpu_memory_utilization=u (vLLM's
-meaning) what is left of u x the device's total memory after everything already allocated (the weights
-included); the rest is the forward's activations and other processes. On a CPU the pool holds
-max_num_seqs sequences of max_model_len, capped at DEFAULT_CPU_KV_BYTES (256 MiB; a longer request asks for
-num_kv_blocks / kv_cache_memory), and gpu_memory_utilization is checked but has no effect.
+engine's cache and blocks (the trainer's eval engine). Pool size: for training, memory_plan's
+num_kv_blocks; alone on a GPU 0.8 x the free memory, or what gpu_memory_utilization=u (vLLM's meaning)
+leaves of u x the total after what is allocated; on a CPU max_num_seqs x max_model_len, capped at
+DEFAULT_CPU_KV_BYTES (256 MiB; ask for more with num_kv_blocks / kv_cache_memory).
 vLLM arguments with one possible value here: tensor_parallel_size=1 and trust_remote_code=False (the
 model code is rlengine's own, one device); others are refused with the reason.
-On a GPU, decode steps replay CUDA graphs captured per batch bucket (cuda_graph.py) unless
-enforce_eager=True or the backend / MoE implementation cannot be captured; `cuda_graphs_off`
-says why they are off.
-On a CPU, cpu_kernels picks how the projections and the LM head run (rlengine/model/kernel_choice.py):
-"cache" (the default) times torch's linear against the C++ skinny linear (and, in bf16, a chunked
-fp32 upcast) per shape class at first use and keeps the choice per machine in ~/.cache/rlengine;
-"measure" does not touch the disk; "torch" / "skinny" fix one rule; a saved table's .json pins it.
+On a GPU, decode steps replay CUDA graphs per batch bucket (cuda_graph.py) unless enforce_eager=True
+or the backend / MoE implementation cannot be captured; `cuda_graphs_off` says why they are off.
+On a CPU, cpu_kernels picks how the projections and the LM head run (model/kernel_choice.py): "cache"
+(default: timed per shape class at first use, kept per machine in ~/.cache/rlengine), "measure" (no
+disk), "torch" / "skinny" (one rule), or a saved table's .json (pinned).
 batch_invariant=True (CPU, dense models; model/batch_invariant.py) runs one fixed-order kernel per op
 instead, so each token's log-prob equals the learner's recomputation bit for bit at any batch size.
+shared_prefix_decode (default on): decode steps attend a GRPO group's shared prompt pages once per
+group (cascade attention, engine/attention/cascade.py) on the cpp and triton backends.
 """
 
 from __future__ import annotations
@@ -101,7 +98,8 @@ class LLM:
                  moe_impl: str = "ref", record_routing: bool = False, enforce_eager: bool = False,
                  cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
-                 trust_remote_code: bool = False, cpu_kernels: str = "cache", batch_invariant: bool = False):
+                 trust_remote_code: bool = False, cpu_kernels: str = "cache", batch_invariant: bool = False,
+                 shared_prefix_decode: bool = True):
         _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization)
         if gpu_memory_utilization is not None and (num_kv_blocks is not None or kv_cache_memory is not None
                                                    or kv_pool is not None):
@@ -135,6 +133,7 @@ class LLM:
         attention_backend = batch_invariant_backend(self.model, batch_invariant, attention_backend)
         backend_cls = resolve_backend(attention_backend, self.device)
         self.backend = backend_cls(self.kv_cache, cfg.num_attention_heads, cfg.head_dim, max_num_seqs)
+        self.backend.shared_prefix = shared_prefix_decode and self.backend.supports_shared_prefix
         max_pages = -(-self.max_model_len // block_size)
         self.block_manager = BlockManager(0, block_size, max_seqs=max_num_seqs, max_pages_per_seq=max_pages,
                                           pool=self.kv_pool.blocks)

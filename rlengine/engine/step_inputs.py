@@ -71,6 +71,7 @@ class _DecodeTables:
     dev: dict                       # device tensor views
     host_t: dict                    # host tensor views
     indices: torch.Tensor           # kv_indices device view
+    indices_host: np.ndarray        # kv_indices host view (the staging buffer)
     nbytes: int                     # staging bytes the step uploads
     longest: int                    # max_num_pages
     copies: tuple | None            # copy-on-write (src, dst) device views
@@ -234,7 +235,7 @@ class StepInputs:
             kv_last_page_len=dev["kv_last_page_len"], kv_indptr_host=host_t["kv_indptr"],
             kv_last_page_len_host=host_t["kv_last_page_len"],
             context_lens=ctx if bs == B else np.concatenate([ctx, np.ones(bs - B, np.int64)]),
-            logits_indices=None, max_num_pages=tables.longest, static=False)
+            logits_indices=None, max_num_pages=tables.longest, static=False, kv_indices_host=tables.indices_host)
         return PreparedStep(fb, sb, tables.copies if batch.copies else None, rows, prev_index)
 
     def _decode_tables(self, batch: ScheduledBatch, rows: np.ndarray, npages: np.ndarray, bs: int, padded: bool,
@@ -259,7 +260,8 @@ class StepInputs:
             self._pad(host, B, bs, total, indices_np)
         copies = self._copies(host, dev, batch.copies, bs if padded else C)
         sb = self._sampling(host, dev, rows, B)
-        return _DecodeTables(key, host, dev, host_t, indices, at + 4 * (total + pad), longest, copies, sb)
+        return _DecodeTables(key, host, dev, host_t, indices, indices_np, at + 4 * (total + pad), longest, copies,
+                             sb)
 
     def _pad(self, host: dict, B: int, bs: int, total: int, indices_np: np.ndarray) -> None:
         """Padding rows B..bs-1 of a graph bucket: token 0 at position 0 writing the null block's slot 0."""

@@ -181,4 +181,5 @@ def test_moe_models_and_other_backends_are_refused_by_name():
 def test_an_engine_on_an_invariant_model_follows_it():
     llm = LLM(_model(), max_num_seqs=2)
     assert llm.attention_backend == "invariant" and llm.runner.sampler.invariant
+    assert not llm.backend.shared_prefix  # no cascade pass: each query reads its own prefix in the chunk grid
     assert llm.cpu_kernels() == "batch_invariant"

@@ -5,7 +5,8 @@ Each Case calls public launchers (paged_decode, rms_norm, fused_moe, fused_logpr
 CUDA tensors; the stand-in driver (standin.py) compiles what they launch. Models: Qwen3-0.6B
 (dense, q/k norm), Qwen3-30B-A3B (MoE, E=128, K=8) and Llama-3-8B (dense, RoPE only, V=128,256).
 Dtypes: bf16 and fp16 for every kernel, fp32 too for paged decode and the log-prob kernels.
-Configs: paged decode with S = 1 (one launch) and every merge width S can round to (2..64);
+Configs: paged decode with S = 1 (one launch) and every merge width S can round to (2..64); cascade
+(shared-prefix) decode at each prefix tile height BLOCK_M (16, 32, 64 query rows; 32 at most in fp32) and each suffix split count;
 the fused MoE at token counts that select each row of its config table (rows per expert <= 16,
 <= 64, <= 512, more), forward and backward; moe_align at every power-of-two N_BLOCK up to its
 8,192-pair limit; the log-prob forward and each gradient combination of its backward.
@@ -33,7 +34,7 @@ LOGPROB_TOKENS = 4096
 # The kernels whose spills fail the tier outright (see test_sm90_compile): what every decode step
 # and every learner forward runs. Variants are "hot" when their kernel is listed for their dtype.
 HOT = {
-    "_split_kernel": HALF, "_merge_kernel": HALF,
+    "_split_kernel": HALF, "_merge_kernel": HALF, "_prefix_kernel": HALF,
     "_rms_norm_kernel": HALF, "_silu_and_mul_kernel": HALF, "_qk_norm_rope_kernel": HALF,
     "_gate_up_kernel": HALF, "_pair_gemm_kernel": HALF,
     "_logprob_fwd_kernel": ALL,
@@ -65,6 +66,23 @@ def _decode(cfg: ModelConfig, dtype: torch.dtype, num_splits: int) -> None:
     ws = alloc_workspace(B, H, D, num_splits, "cuda")
     paged_decode(q, k_cache, v_cache, indptr, indices, last, sm_scale=D ** -0.5, max_num_pages=64,
                  out=_empty(B, H, D, dtype=dtype), workspace=ws, num_splits=num_splits)
+
+
+def _cascade(cfg: ModelConfig, dtype: torch.dtype, rows: int, num_splits: int) -> None:
+    from rlengine.kernels.cascade_decode import alloc_cascade_workspace, cascade_decode
+
+    B, H, Hkv, D = 16, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    G = H // Hkv
+    max_rows = max(1, rows // G)  # chunk rows whose G query heads fill a BLOCK_M = rows tile
+    pages = 64 * B
+    q = _empty(B, H, D, dtype=dtype)
+    k_cache, v_cache = _empty(pages, PAGE_SIZE, Hkv, D, dtype=dtype), _empty(pages, PAGE_SIZE, Hkv, D, dtype=dtype)
+    C = -(-B // max_rows)
+    i32 = lambda n: _empty(n, dtype=torch.int32)  # noqa: E731
+    cascade_decode(q, k_cache, v_cache, i32(C + 1), i32(C + 1), i32(pages), i32(B + 1), i32(pages), i32(B),
+                   sm_scale=D ** -0.5, max_rows=max_rows, max_suffix_pages=8,
+                   workspace=alloc_cascade_workspace(B, H, D, "cuda"), out=_empty(B, H, D, dtype=dtype),
+                   num_splits=num_splits)
 
 
 def _norms(cfg: ModelConfig, dtype: torch.dtype) -> None:
@@ -135,6 +153,10 @@ def cases(models: tuple[str, ...] = MODELS) -> list[Case]:
             for s in SPLITS:
                 out.append(Case(f"{name}/paged_decode/{_dt(dtype)}/S={s}", dtype,
                                 lambda c=cfg, d=dtype, s=s: _decode(c, d, s)))
+            for rows in (16, 32) if dtype == torch.float32 else (16, 32, 64):  # fp32 caps the tile at 32 rows
+                for s in (1, 2, 4):
+                    out.append(Case(f"{name}/cascade_decode/{_dt(dtype)}/M={rows}/S={s}", dtype,
+                                    lambda c=cfg, d=dtype, r=rows, s=s: _cascade(c, d, r, s)))
         for dtype in HALF:
             out.append(Case(f"{name}/norms/{_dt(dtype)}", dtype, lambda c=cfg, d=dtype: _norms(c, d)))
         for dtype in ALL:

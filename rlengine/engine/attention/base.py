@@ -10,13 +10,20 @@ CUDA graphs (engine/cuda_graph.py): a backend sets `graph_safe = True` when its 
 nothing but the ForwardBatch's device tensors and launches a fixed grid for a fixed batch size,
 so a captured decode step replays correctly for any page tables written into the same buffers.
 plan() always runs outside the graph, before each replay.
+
+Shared-prefix decode: a backend that sets `supports_shared_prefix` runs a decode step whose batch
+holds forked siblings (a GRPO group) as cascade attention, when the engine turns `shared_prefix`
+on; plan() then finds the shared pages (attention/cascade.py) from the step's host page tables.
+A graph bucket's batch (static) always runs plain decode: the cascade launch depends on the step.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from rlengine import _ext
+from rlengine.engine.attention.cascade import CascadePlan, plan_cascade
 from rlengine.engine.kv_cache import KVCache
 from rlengine.model.attention import PackedCausal
 from rlengine.types import ForwardBatch
@@ -42,6 +49,8 @@ def store_kv(k_TKD, v_TKD, k_cache, v_cache, slot_mapping_T) -> None:
 class AttentionBackend:
     name = "base"
     graph_safe = False
+    supports_shared_prefix = False
+    cascade_max_rows = 64  # most batch rows one prefix work item scores together
 
     def __init__(self, kv_cache: KVCache, num_heads: int, head_dim: int, max_num_seqs: int):
         self.kv = kv_cache
@@ -50,10 +59,24 @@ class AttentionBackend:
         self.max_num_seqs = max_num_seqs
         self.batch: ForwardBatch | None = None
         self._prefill: PackedCausal | None = None  # set for prefill steps, None for decode steps
+        self.shared_prefix = False  # the engine sets it (LLM(shared_prefix_decode=...)) where supported
+        self.num_cascade_steps = 0  # decode steps that ran as cascade attention
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
         self._prefill = PackedCausal(batch.qo_indptr, self.scale) if batch.kind == "prefill" else None
+
+    def plan_shared_prefix(self, batch: ForwardBatch) -> CascadePlan | None:
+        """This decode step's cascade plan, or None: plain decode (sharing off, a graph bucket, no two
+        rows sharing a whole page). Host work on the step's host page tables."""
+        if not self.shared_prefix or batch.kind != "decode" or batch.static or batch.kv_indices_host is None:
+            return None
+        # page counts from the host context lengths (the same rule step_inputs lays the tables out by)
+        indptr = np.zeros(batch.batch_size + 1, np.int64)
+        np.cumsum(-(-batch.context_lens // self.kv.block_size), out=indptr[1:])
+        plan = plan_cascade(indptr, batch.kv_indices_host[:indptr[-1]], self.cascade_max_rows)
+        self.num_cascade_steps += plan is not None
+        return plan
 
     def attend(self, layer_id: int, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv.k[layer_id], self.kv.v[layer_id]

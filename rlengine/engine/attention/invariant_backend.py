@@ -20,6 +20,7 @@ class InvariantBackend(CppBackend):
     """The CPU backend's output buffer and graph contract, with the invariant prefill and decode."""
 
     name = "invariant"
+    supports_shared_prefix = False  # each query reads its own prefix in the fixed chunk grid
 
     @staticmethod
     def unavailable_reason(device: torch.device) -> str | None:

@@ -2,13 +2,16 @@
 
 graph_safe: the kernel reads the page tables from device tensors and each sequence splits its
 own pages, so the launch depends only on the batch size and on max_num_pages, which a graph
-bucket's batch fixes at capture (the per-sequence capacity).
+bucket's batch fixes at capture (the per-sequence capacity). Shared-prefix decode (eager steps
+only): a step with forked siblings runs kernels/cascade_decode.py on plan()'s cascade tables,
+uploaded once per step (one non_blocking copy from a pinned buffer on a GPU).
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from rlengine.engine.attention.base import AttentionBackend
@@ -17,6 +20,7 @@ from rlengine.engine.attention.base import AttentionBackend
 class TritonBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
+    supports_shared_prefix = True
 
     @staticmethod
     def unavailable_reason(device: torch.device) -> str | None:
@@ -38,9 +42,58 @@ class TritonBackend(AttentionBackend):
         self.workspace = pd.alloc_workspace(max_num_seqs, num_heads, head_dim, pd.MAX_SPLITS, device,
                                             num_kv_heads=kv_cache.data.shape[4])
         self.out = torch.empty(max_num_seqs, num_heads, head_dim, dtype=kv_cache.data.dtype, device=device)
+        from rlengine.kernels import cascade_decode as cd
+
+        self._cd = cd
+        G = num_heads // kv_cache.data.shape[4]
+        self.cascade_max_rows = max(1, cd.max_rows_per_program(kv_cache.data.dtype) // G)
+        self.cascade_workspace = cd.alloc_cascade_workspace(max_num_seqs, num_heads, head_dim, device)
+        # cascade tables: two pinned staging buffers taken in turn (under overlap a step's copy may still be
+        # pending while the next step is planned) and one device buffer; grown in plan()
+        self._tables_hosts = [torch.empty(0, dtype=torch.int32)] * 2
+        self._tables_dev = self._tables_hosts[0]
+        self._tables_slot = 0
+        self.cascade = None
+
+    def plan(self, batch) -> None:
+        super().plan(batch)
+        plan = self.plan_shared_prefix(batch)
+        self.cascade = None
+        if plan is None:
+            return
+        arrays = (plan.chunk_indptr, plan.prefix_indptr, plan.prefix_indices, plan.suffix_indptr, plan.suffix_indices)
+        n = sum(a.shape[0] for a in arrays)
+        if n > self._tables_dev.numel():  # rare: the batch's page count grew past every earlier step's
+            self._alloc_tables(2 * n)
+        self._tables_slot ^= 1
+        staging = self._tables_hosts[self._tables_slot]
+        host, parts, at = staging.numpy(), [], 0
+        for a in arrays:
+            host[at:at + a.shape[0]] = a
+            parts.append(self._tables_dev[at:at + a.shape[0]])
+            at += a.shape[0]
+        if self._tables_dev is not staging:
+            self._tables_dev[:at].copy_(staging[:at], non_blocking=True)
+        suffix_pages = int(np.diff(plan.suffix_indptr).max())
+        self.cascade = (parts, plan.max_rows, suffix_pages)
+
+    def _alloc_tables(self, n: int) -> None:
+        """The cascade tables' staging (pinned on a GPU) and device buffers, n int32 entries."""
+        if self.out.device.type == "cuda":
+            self._tables_hosts = [torch.empty(n, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+            self._tables_dev = torch.empty(n, dtype=torch.int32, device=self.out.device)
+        else:  # the interpreter reads host memory: one buffer is staging and device copy at once
+            self._tables_hosts = [torch.empty(n, dtype=torch.int32)] * 2
+            self._tables_dev = self._tables_hosts[0]
 
     def decode(self, layer_id, q_BHD, k_cache, v_cache):
         b = self.batch
+        if self.cascade is not None:
+            (chunks, prefix_ptr, prefix_idx, suffix_ptr, suffix_idx), max_rows, suffix_pages = self.cascade
+            return self._cd.cascade_decode(q_BHD, k_cache, v_cache, chunks, prefix_ptr, prefix_idx, suffix_ptr,
+                                           suffix_idx, b.kv_last_page_len, sm_scale=self.scale, max_rows=max_rows,
+                                           max_suffix_pages=suffix_pages, workspace=self.cascade_workspace,
+                                           out=self.out[: q_BHD.shape[0]])
         return self._pd.paged_decode(q_BHD, k_cache, v_cache, b.kv_indptr, b.kv_indices, b.kv_last_page_len,
                                      sm_scale=self.scale, max_num_pages=b.max_num_pages,
                                      out=self.out[: q_BHD.shape[0]], workspace=self.workspace)

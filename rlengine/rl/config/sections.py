@@ -95,6 +95,8 @@ class GenSection:
     # one fixed-order kernel per op on the engine and the learner: sampled log-probs equal the
     # learner's recomputation bit for bit (CPU, dense models; model/batch_invariant.py)
     batch_invariant: bool = False
+    # decode a GRPO group's shared prompt pages once per group (cascade attention; cpp / triton backends)
+    shared_prefix_decode: bool = True
 
     def __post_init__(self):
         _check(self.b_gen >= 0, f"gen.b_gen must be >= 0, got {self.b_gen}")

@@ -89,7 +89,7 @@ def build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode,
     max_len = max(len(encode(p.prompt)) for p in task.train + eval_problems) + g.max_tokens + 1
     common = dict(block_size=g.block_size, max_model_len=min(max_len, model.config.max_position_embeddings),
                   attention_backend=cfg.attention_backend, enforce_eager=g.enforce_eager, cpu_kernels=g.cpu_kernels,
-                  batch_invariant=g.batch_invariant)
+                  batch_invariant=g.batch_invariant, shared_prefix_decode=g.shared_prefix_decode)
     eval_seqs = min(256, (len(eval_problems) if cfg.eval.sets else cfg.task.num_eval) * cfg.eval.k)
     num_kv_blocks, memory_plan = g.num_kv_blocks or None, None
     if num_kv_blocks is None and model.device.type == "cuda":

@@ -1,0 +1,140 @@
+"""Benchmark: decode step time with and without shared-prefix (cascade) decode, side by side in one run.
+
+Three engine shapes, each generated with LLM(shared_prefix_decode=False) ("plain") and =True
+("cascade") on the cpp backend, fp32, alternating the two engines over --rounds rounds so a burst of
+load on the shared CPU hits both alike:
+  - grpo-512: G = 16 samples of 4 prompts of 512 tokens, 64-token responses (B_act 64), on --model;
+  - default-job: the embedded default job's shape (rlengine/configs/grpo.toml: the tiny preset,
+    group_size 16, prompts_per_step 8, max_tokens 4, first-digit prompts);
+  - no-sharing: G = 1, 64 distinct 512-token prompts: cascade finds nothing to share, so the rows
+    show what the check costs (it must be nothing).
+A step's time is the engine's own StepRecord (schedule to read), median over the decode steps at the
+full B_act of every round; `attn_ms` is the attention op alone at that shape (the same page tables
+through paged_decode and cascade_decode, median over --iters calls), which says how much of the
+step attention is. Speedup = plain / cascade.
+
+    python bench/bench_shared_prefix.py [--model qwen3-30m] [--rounds 3] [--threads N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from rlengine import LLM, SamplingParams
+from rlengine.benchmarks.harness import report
+from rlengine.engine.attention.cascade import plan_cascade
+
+P = 16
+COLUMNS = ["case", "model", "G", "B_act", "prompt", "response", "plain_ms", "cascade_ms", "speedup",
+           "attn_plain_ms", "attn_cascade_ms", "attn_speedup", "cascade_steps"]
+
+
+def _cases(model: str) -> list[dict]:
+    from rlengine.model.factory import tokenizer_for
+    from rlengine.rl.data.tasks import build_task
+
+    tok = tokenizer_for("tiny")
+    digits = [tok.encode(p.prompt) for p in build_task("first-digit").train[:8]]
+    gen = torch.Generator().manual_seed(0)
+    long = lambda n, k: [torch.randint(3, 250, (n,), generator=gen).tolist() for _ in range(k)]  # noqa: E731
+    return [dict(case="grpo-512", model=model, G=16, prompts=long(512, 4), response=64),
+            dict(case="default-job", model="tiny", G=16, prompts=digits, response=4),
+            dict(case="no-sharing", model=model, G=1, prompts=long(512, 64), response=64)]
+
+
+def _engine(case: dict, shared: bool) -> LLM:
+    B = case["G"] * len(case["prompts"])
+    longest = max(map(len, case["prompts"])) + case["response"] + 1
+    return LLM(case["model"], dtype="float32", attention_backend="cpp", block_size=P, max_num_seqs=B,
+               max_model_len=max(longest, 64), num_kv_blocks=B * -(-longest // P) + 8,
+               shared_prefix_decode=shared, seed=0)
+
+
+def _round(llm: LLM, case: dict) -> list[float]:
+    """One generate of the case; the seconds of each decode step at the full B_act."""
+    B = case["G"] * len(case["prompts"])
+    params = SamplingParams(n=case["G"], temperature=1.0, seed=1, max_tokens=case["response"], ignore_eos=True)
+    outs = llm.generate(case["prompts"], params)
+    return [r.seconds for r in outs.trace if r.kind == "decode" and r.b_act == B]
+
+
+def _attention_ms(llm: LLM, case: dict, iters: int) -> tuple[float, float]:
+    """(paged_decode, cascade_decode) median ms of one layer at the case's mid-response page tables."""
+    cfg, G = llm.config, case["G"]
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    ctx = [len(p) + case["response"] // 2 for p in case["prompts"] for _ in range(G)]
+    B = len(ctx)
+    indptr, indices, nxt = [0], [], 0
+    for i, n in enumerate(ctx):
+        if i % G == 0:  # a group's leader: fresh pages; members list its whole prompt pages, then their own
+            shared, nxt = list(range(nxt, nxt + len(case["prompts"][i // G]) // P)), nxt + len(case["prompts"][i // G]) // P
+        own = -(-n // P) - len(shared)
+        indices += shared + list(range(nxt, nxt + own))
+        nxt += own
+        indptr.append(len(indices))
+    k = torch.randn(nxt, P, Hkv, D)
+    v = torch.randn(nxt, P, Hkv, D)
+    q = torch.randn(B, H, D)
+    ptr_t, idx_t = torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32)
+    last = torch.tensor([n - (-(-n // P) - 1) * P for n in ctx], dtype=torch.int32)
+    out = torch.empty_like(q)
+    plain = lambda: torch.ops.rlengine.paged_decode(q, k, v, ptr_t, idx_t, last, D**-0.5, out)  # noqa: E731
+    plan = plan_cascade(np.array(indptr), np.array(indices, dtype=np.int32))
+    if plan is None:
+        fn = plain
+    else:
+        tables = [torch.from_numpy(a) for a in (plan.chunk_indptr, plan.prefix_indptr, plan.prefix_indices,
+                                                plan.suffix_indptr, plan.suffix_indices)]
+        po, pl = torch.empty(B * H * D), torch.empty(B * H)
+        fn = lambda: torch.ops.rlengine.cascade_decode(q, k, v, *tables, last, D**-0.5, po, pl, out)  # noqa: E731
+    return _median_ms(plain, iters), _median_ms(fn, iters)
+
+
+def _median_ms(fn, iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def measure(case: dict, rounds: int, iters: int) -> dict:
+    engines = {mode: _engine(case, mode) for mode in (False, True)}
+    for mode, llm in engines.items():
+        _round(llm, case)  # warm-up: kernel choices, first-touch of the KV pool
+    steps = {False: [], True: []}
+    for _ in range(rounds):
+        for mode, llm in engines.items():
+            steps[mode] += _round(llm, case)
+    plain, cascade = (1e3 * statistics.median(steps[m]) for m in (False, True))
+    attn_plain, attn_cascade = _attention_ms(engines[True], case, iters)
+    return dict(case=case["case"], model=case["model"], G=case["G"], B_act=case["G"] * len(case["prompts"]),
+                prompt=max(map(len, case["prompts"])), response=case["response"], plain_ms=round(plain, 3),
+                cascade_ms=round(cascade, 3), speedup=round(plain / cascade, 3), attn_plain_ms=round(attn_plain, 3),
+                attn_cascade_ms=round(attn_cascade, 3), attn_speedup=round(attn_plain / attn_cascade, 3),
+                cascade_steps=engines[True].backend.num_cascade_steps)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-30m", help="preset of the grpo-512 and no-sharing cases")
+    parser.add_argument("--cases", default="grpo-512,default-job,no-sharing", help="comma-separated subset")
+    parser.add_argument("--rounds", type=int, default=3, help="generate rounds per engine (alternating)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls of the attention op alone")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", default=None, help="directory for shared_prefix.json (default bench/results)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    wanted = args.cases.split(",")
+    rows = [measure(c, args.rounds, args.iters) for c in _cases(args.model) if c["case"] in wanted]
+    report("shared_prefix", rows, out=args.out, columns=COLUMNS,
+           extra={"threads": torch.get_num_threads(), "rounds": args.rounds, "page_size": P, "dtype": "float32"},
+           device="cpu")
