@@ -8,6 +8,8 @@ may be missing (a failed or skipped compile): callers then use their plain-torch
 that and the import results into the lines `rlengine info` prints.
 """
 
+import functools
+import hashlib
 import importlib
 import json
 import sys
@@ -65,6 +67,17 @@ if AVAILABLE:
         if torch.version.cuda is not None:  # a CPU torch has no CUDA extension to miss
             print(f"rlengine: CUDA extension not built ({exc}{_first_error_line('rlengine._C_cuda')}); CUDA ops "
                   f"{', '.join(CUDA_OPS)} use torch fallbacks", file=sys.stderr)
+
+
+@functools.cache
+def build_id() -> str:
+    """sha1 (12 hex digits) of the loaded rlengine._C binary, "none" without one: a rebuilt extension
+    (other kernels) is another build, so measurements keyed by it are not reused across builds."""
+    try:
+        path = importlib.import_module("rlengine._C").__file__
+        return hashlib.sha1(Path(path).read_bytes()).hexdigest()[:12]
+    except (ImportError, OSError, TypeError):
+        return "none"
 
 
 def has_op(name: str) -> bool:

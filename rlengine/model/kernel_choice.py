@@ -14,7 +14,8 @@ KernelChoices.mode:
   "skinny"   the skinny kernel wherever it applies (the old fixed rule), torch elsewhere
   "pinned"   only the loaded table's choices; a shape class missing from it raises
 With mode "measure" and a cache_dir the table is also read from and written to a JSON file keyed
-by the CPU model and flags and the torch and rlengine versions, so processes on one machine agree.
+by the CPU model and flags, the torch and rlengine versions and the extension's build, so processes on
+one machine agree.
 Rows are the one free dimension of decode: 1-8 one class each, then powers of two.
 The table is per process (like a GEMM library's heuristics), recorded in every provenance block.
 """
@@ -86,8 +87,8 @@ def pick(ms: dict[str, float], reference: str = "torch") -> str:
 
 
 def machine_key() -> dict:
-    """What the cache is keyed by: CPU model and flags, torch and rlengine versions, threads, timing method
-    (a table timed another way is not reused)."""
+    """What the cache is keyed by: CPU model and flags, torch and rlengine versions, the C++ extension's
+    build, threads, timing method (a table timed another way, or of other kernels, is not reused)."""
     model, flags = platform.processor() or platform.machine(), ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -98,8 +99,8 @@ def machine_key() -> dict:
                 break
     except OSError:
         pass
-    from rlengine import __version__
-    return {"cpu": model, "flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:12],
+    from rlengine import __version__, _ext
+    return {"cpu": model, "ext_build": _ext.build_id(), "flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:12],
             "torch": torch.__version__, "rlengine": __version__, "threads": torch.get_num_threads(),
             "timing": TIMING}
 
