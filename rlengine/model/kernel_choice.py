@@ -143,12 +143,16 @@ class KernelChoices:
         return {key: dataclasses.asdict(d) for key, d in sorted(self.table.items())}
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write {machine, table}, merged into what the file holds (its entries win: processes sharing
-        a cache file agree on the first decision), atomically."""
+        """Write {machine, table}, merged into what the file holds (its entries win, so processes sharing
+        a cache file agree on the first decision, except where ours timed more candidates: a kernel
+        added since), atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         table = self.to_dict()
-        table.update(_read_table(path))
+        for key, theirs in _read_table(path).items():
+            timed = set(theirs.get("ms", {})) if isinstance(theirs, dict) else set()
+            if key not in table or not timed < set(table[key]["ms"]):
+                table[key] = theirs
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"machine": machine_key(), "mode": self.mode, "table": table}, indent=1))
         os.replace(tmp, path)
@@ -158,7 +162,10 @@ class KernelChoices:
         """The implementation for shape class `key`. candidates: name -> a call on the real inputs
         (only names that can run these inputs); rule: the "skinny" mode's choice among them."""
         decision = self.table.get(key)
-        if decision is not None and decision.impl in candidates:
+        # a cached decision is reused only if it timed every candidate there is now (a kernel added
+        # since is measured too); pinned and this process's own decisions always are
+        if decision is not None and decision.impl in candidates and (
+                decision.source != "cache" or set(candidates) <= set(decision.ms)):
             return decision.impl
         if self.mode == "torch":
             return "torch"
@@ -170,8 +177,9 @@ class KernelChoices:
                                f"(candidates: {', '.join(candidates)}); pin a table that covers this shape")
         if self.cache_dir is not None:  # another process on this machine may have decided it meanwhile
             self.load({k: v for k, v in _read_table(self.cache_path()).items() if k == key}, source="cache")
-            if key in self.table and self.table[key].impl in candidates:
-                return self.table[key].impl
+            cached = self.table.get(key)
+            if cached is not None and cached.impl in candidates and set(candidates) <= set(cached.ms or ()):
+                return cached.impl
         ms = self.timer(candidates) if len(candidates) > 1 else {name: 0.0 for name in candidates}
         self.table[key] = Decision(pick(ms), ms, "measured")
         if self.cache_dir is not None:

@@ -5,7 +5,8 @@ with the returned FusedOps, or its plain torch path when there is none; the lear
 always the torch path. logits_fp32 / linear_nograd are the LM head and projection helpers the two
 sides share. One table per device, chosen here and nowhere else:
 - CPU: the C++ ops of csrc/fused_ops.cpp; projections and the LM head through whichever of
-  torch's linear, the C++ skinny linear (csrc/skinny_linear.cpp, a weight stream for <= 8 rows)
+  torch's linear, the C++ skinny linear (csrc/skinny_linear.cpp, a weight stream for <= 8 rows),
+  the blocked linear of the batch-invariant mode (csrc/batch_invariant.cpp, any rows, "blocked")
   and, for bf16, an fp32 GEMM over V-chunks of the upcast weight is fastest on this machine for
   the shape (KERNELS, rlengine/model/kernel_choice.py: timed at first use on weights streamed from
   memory, as in a decode step, or pinned).
@@ -31,6 +32,7 @@ from rlengine.model.kernel_choice import KernelChoices, projection_shapes, rows_
 
 FUSED = all(_ext.has_op(op) for op in ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul"))
 SKINNY = _ext.has_op("skinny_linear") and _ext.has_op("skinny_logits")
+BLOCKED = _ext.has_op("inv_linear")
 SKINNY_MAX_ROWS = 8  # csrc/skinny_linear.cpp's kMaxRows
 UPCAST_CHUNK_BYTES = 4 << 20  # fp32 weight rows per chunk of the "upcast" GEMM: cache-sized, not [V, C]
 
@@ -63,6 +65,12 @@ def _upcast_buffer(rows: int, K: int) -> torch.Tensor:
 def _skinny_ok(x_BK: torch.Tensor, w_NK: torch.Tensor) -> bool:
     return (SKINNY and x_BK.dim() == 2 and 1 <= x_BK.shape[0] <= SKINNY_MAX_ROWS and w_NK.is_contiguous()
             and x_BK.dtype == w_NK.dtype and x_BK.dtype in (torch.float32, torch.bfloat16))
+
+
+def _blocked_ok(x_BK: torch.Tensor, w_NK: torch.Tensor) -> bool:
+    """csrc/batch_invariant.cpp's blocked linear (any rows; the batch-invariant mode's kernel) applies."""
+    return (BLOCKED and x_BK.dim() == 2 and x_BK.dtype == w_NK.dtype and x_BK.dtype in (torch.float32, torch.bfloat16)
+            and x_BK.shape[1] > 0)
 
 
 def _choose(op: str, x_BK: torch.Tensor, w_NK: torch.Tensor, candidates: Callable[[], dict]) -> str:
@@ -117,6 +125,8 @@ def _linear_candidates(x_BK, w_NK) -> dict:
         cands["skinny"] = lambda: torch.ops.rlengine.skinny_linear(x_BK, cold.next())
     if x_BK.dtype == torch.bfloat16 and w_NK.dtype == torch.bfloat16:
         cands["upcast"] = lambda: _upcast_matmul(x_BK, cold.next(), torch.bfloat16)
+    if _blocked_ok(x_BK, w_NK):
+        cands["blocked"] = lambda: torch.ops.rlengine.inv_linear(x_BK, cold.next(), None, False)
     return cands
 
 
@@ -130,6 +140,8 @@ def linear_nograd(x_TC: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.ops.rlengine.skinny_linear(x_TC, w)
     if impl == "upcast":
         return _upcast_matmul(x_TC, w, x_TC.dtype)
+    if impl == "blocked":
+        return torch.ops.rlengine.inv_linear(x_TC, w, None, False)
     return F.linear(x_TC, w)
 
 
@@ -142,6 +154,8 @@ def _logits_candidates(h_BC, w_VC) -> dict:
                  "upcast": lambda: _upcast_matmul(h_BC, cold.next(), torch.float32)}
     if _skinny_ok(h_BC, w_VC):
         cands["skinny"] = lambda: torch.ops.rlengine.skinny_logits(h_BC, cold.next())
+    if _blocked_ok(h_BC, w_VC):
+        cands["blocked"] = lambda: torch.ops.rlengine.inv_linear(h_BC, cold.next(), None, True)
     return cands
 
 
@@ -167,6 +181,8 @@ def logits_fp32(h_BC: torch.Tensor, w_VC: torch.Tensor, *, engine: bool = False)
         return torch.ops.rlengine.skinny_logits(h_BC, w_VC)
     if impl == "upcast":
         return _upcast_matmul(h_BC, w_VC, torch.float32)
+    if impl == "blocked":
+        return torch.ops.rlengine.inv_linear(h_BC, w_VC, None, True)
     return F.linear(h_BC.float(), w_VC.float())
 
 

@@ -103,7 +103,7 @@ def _force(monkeypatch, impl):
     return choices
 
 
-CASES = [(impl, dtype, rows) for impl in ("torch", "skinny", "upcast") for dtype in (torch.float32, torch.bfloat16)
+CASES = [(impl, dtype, rows) for impl in ("torch", "skinny", "upcast", "blocked") for dtype in (torch.float32, torch.bfloat16)
          for rows in (1, 4, 7, 8, 12)
          if not (impl == "skinny" and rows > 8) and not (impl == "upcast" and dtype == torch.float32)]
 
@@ -184,3 +184,15 @@ def test_candidates_are_timed_on_weights_streamed_from_memory(monkeypatch, dtype
                 torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
             assert len({t.data_ptr() for t in taken}) == 5, name      # five distinct copies, one per call
             assert all(torch.equal(t, w) for t in taken)
+
+
+def test_a_cached_choice_that_did_not_time_a_new_candidate_is_measured_again(tmp_path):
+    """A kernel added since (a new build's "blocked") must get its chance: the cached decision over
+    {torch, skinny} is not reused for {torch, skinny, blocked}, and the new one is saved."""
+    timer, calls = _fixed({"torch": 1.0, "skinny": 0.8, "blocked": 0.3})
+    kc.KernelChoices("measure", cache_dir=tmp_path, timer=timer).choose("k", _cands("torch", "skinny"), rule="skinny")
+    later = kc.KernelChoices("measure", cache_dir=tmp_path, timer=timer)
+    assert later.choose("k", _cands("torch", "skinny", "blocked"), rule="skinny") == "blocked"
+    assert calls == [["skinny", "torch"], ["blocked", "skinny", "torch"]]
+    again = kc.KernelChoices("measure", cache_dir=tmp_path, timer=timer)
+    assert again.choose("k", _cands("torch", "skinny", "blocked"), rule="skinny") == "blocked" and len(calls) == 2
