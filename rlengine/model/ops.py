@@ -58,8 +58,11 @@ def _upcast_matmul(x_BK: torch.Tensor, w_NK: torch.Tensor, out_dtype: torch.dtyp
 @functools.lru_cache(maxsize=8)
 def _upcast_buffer(rows: int, K: int) -> torch.Tensor:
     """The chunk buffer of _upcast_matmul, one per (rows, K): allocated once, not per decode step
-    (a fresh 4 MiB allocation each call costs page faults). Single-threaded use: the engine's step."""
-    return torch.empty(rows, K, dtype=torch.float32)
+    (a fresh 4 MiB allocation each call costs page faults). Single-threaded use: the engine's step.
+    A normal tensor even when first made inside inference mode (the engine's step): an inference
+    tensor could not be written later outside it (a no_grad caller)."""
+    with torch.inference_mode(False):
+        return torch.empty(rows, K, dtype=torch.float32)
 
 
 def _skinny_ok(x_BK: torch.Tensor, w_NK: torch.Tensor) -> bool:

@@ -196,3 +196,14 @@ def test_a_cached_choice_that_did_not_time_a_new_candidate_is_measured_again(tmp
     assert calls == [["skinny", "torch"], ["blocked", "skinny", "torch"]]
     again = kc.KernelChoices("measure", cache_dir=tmp_path, timer=timer)
     assert again.choose("k", _cands("torch", "skinny", "blocked"), rule="skinny") == "blocked" and len(calls) == 2
+
+
+def test_the_upcast_buffer_made_inside_inference_mode_is_writable_outside_it():
+    """The engine's step (inference mode) may allocate the reused chunk buffer first; a later no_grad
+    caller (a benchmark, the kernel choice's timing) must still be able to write it."""
+    ops._upcast_buffer.cache_clear()
+    x, w = torch.randn(2, 64).to(torch.bfloat16), torch.randn(300, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        first = ops._upcast_matmul(x, w, torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ops._upcast_matmul(x, w, torch.bfloat16), first)
