@@ -60,11 +60,7 @@ void suffix_pass(const CascadeDims& d, int64_t b, int64_t hkv, bool has_prefix, 
                  const int32_t* kv_indices, const int32_t* kv_last_page_len, float sm_scale,
                  const float* prefix_out, const float* prefix_lse, scalar_t* out, RowState& s) {
   const int64_t G = d.G, D = d.D;
-  for (int64_t g = 0; g < G; ++g) load_query(q + b * d.q_sb + (hkv * G + g) * d.q_sh, s.q.data() + g * D, D, sm_scale);
-  s.reset(G, D);
-  const int64_t first = kv_indptr[b];
-  attend_pages(k_cache, v_cache, kv_indices + first, kv_indptr[b + 1] - first, kv_last_page_len[b], hkv, d.Hkv, D,
-               d.P, G, s);
+  attend_own_pages(d, b, hkv, q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, s);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t h = hkv * G + g;
     const float* a = s.acc.data() + g * D;

@@ -201,4 +201,19 @@ void attend_pages(const scalar_t* k_cache, const scalar_t* v_cache, const int32_
   }
 }
 
+// The G = H / Hkv query rows of (sequence b, KV head hkv) against that sequence's own pages
+// (kv_indptr / kv_indices / kv_last_page_len): s holds their unnormalised state (m, l, acc) after.
+// Dims: any struct with H, Hkv, G, D, P and the q strides q_sb, q_sh.
+template <typename scalar_t, typename Dims>
+void attend_own_pages(const Dims& d, int64_t b, int64_t hkv, const scalar_t* q, const scalar_t* k_cache,
+                      const scalar_t* v_cache, const int32_t* kv_indptr, const int32_t* kv_indices,
+                      const int32_t* kv_last_page_len, float sm_scale, RowState& s) {
+  for (int64_t g = 0; g < d.G; ++g)
+    load_query(q + b * d.q_sb + (hkv * d.G + g) * d.q_sh, s.q.data() + g * d.D, d.D, sm_scale);
+  s.reset(d.G, d.D);
+  const int64_t first = kv_indptr[b];
+  attend_pages(k_cache, v_cache, kv_indices + first, kv_indptr[b + 1] - first, kv_last_page_len[b], hkv, d.Hkv, d.D,
+               d.P, d.G, s);
+}
+
 }  // namespace rlengine_attn

@@ -29,11 +29,7 @@ void decode_group(const Dims& d, int64_t b, int64_t hkv, const scalar_t* q, cons
                   const scalar_t* v_cache, const int32_t* kv_indptr, const int32_t* kv_indices,
                   const int32_t* kv_last_page_len, float sm_scale, scalar_t* out, RowState& s) {
   const int64_t G = d.G, D = d.D;
-  for (int64_t g = 0; g < G; ++g) load_query(q + b * d.q_sb + (hkv * G + g) * d.q_sh, s.q.data() + g * D, D, sm_scale);
-  s.reset(G, D);
-  const int64_t first = kv_indptr[b];
-  attend_pages(k_cache, v_cache, kv_indices + first, kv_indptr[b + 1] - first, kv_last_page_len[b], hkv, d.Hkv, D,
-               d.P, G, s);
+  attend_own_pages(d, b, hkv, q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, s);
   for (int64_t g = 0; g < G; ++g) {
     const float inv = 1.f / s.l[g];  // l >= 1: the max-scoring token contributes exp(0)
     const float* a = s.acc.data() + g * D;
