@@ -39,7 +39,7 @@ or the backend / MoE implementation cannot be captured; `cuda_graphs_off` says w
 On a CPU, cpu_kernels picks how the projections and the LM head run (model/kernel_choice.py): "cache"
 (default: timed per shape class at first use, kept per machine in ~/.cache/rlengine), "measure" (no
 disk), "torch" / "skinny" (one rule), or a saved table's .json (pinned).
-batch_invariant=True (CPU, dense models; model/batch_invariant.py) runs one fixed-order kernel per op
+batch_invariant=True (CPU; model/batch_invariant.py) runs one fixed-order kernel per op
 instead, so each token's log-prob equals the learner's recomputation bit for bit at any batch size.
 shared_prefix_decode (default on): decode steps attend a GRPO group's shared prompt pages once per
 group (cascade attention, engine/attention/cascade.py) on the cpp and triton backends.

@@ -19,7 +19,7 @@ Residual adds, RoPE tables, the temperature division and the gathers are element
 Each op is an autograd Function whose forward is the kernel and whose backward is the ordinary
 derivative (written out, or the plain-torch reference re-run under autograd): only the forward has
 to match the engine. The KV cache then holds exactly what the learner's forward computes.
-Dense models on the CPU only: MoE routing and the GPU kernels have their own orders.
+MoE blocks run batch_invariant_moe.py (fixed-order routing and slot sums). CPU only.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ def unsupported_reason(cfg, device: torch.device, dtype: torch.dtype) -> str | N
         return f"it runs on the CPU only (the model is on {device})"
     if dtype not in DTYPES:
         return f"dtype {dtype} is not one of float32, bfloat16, float16"
-    if cfg.is_moe:
-        return "MoE layers route and sum experts in batch-dependent orders; dense models only"
     return None
 
 

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlengine.config import ModelConfig
 from rlengine.model import batch_invariant as inv
+from rlengine.model import batch_invariant_moe as inv_moe
 from rlengine.model import ops as op_dispatch
 from rlengine.model.attention import AttentionContext, DenseCausal, PackedCausal
 from rlengine.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
@@ -118,11 +119,14 @@ class DecoderLayer(nn.Module):
         return h, residual_TC
 
     def forward_invariant(self, x_TC, positions_T, rope_table, ctx):
-        """Batch-invariant path: x + attn(norm(x)), then + mlp(norm(.)), every op row-invariant (dense MLP)."""
+        """Batch-invariant path: x + attn(norm(x)), then + mlp(norm(.)), every op row-invariant."""
         h = inv.rms_norm(x_TC, self.input_layernorm.weight, self.input_layernorm.eps)
         x_TC = x_TC + self.self_attn.forward_invariant(h, positions_T, rope_table, ctx)
         h = inv.rms_norm(x_TC, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        h = inv.linear(inv.silu_and_mul(inv.linear(h, self.mlp.gate_up_proj.weight)), self.mlp.down_proj.weight)
+        if isinstance(self.mlp, SwiGLUMLP):
+            h = inv.linear(inv.silu_and_mul(inv.linear(h, self.mlp.gate_up_proj.weight)), self.mlp.down_proj.weight)
+        else:
+            h = inv_moe.moe_block(self.mlp, h)
         return x_TC + h
 
 

@@ -1,6 +1,6 @@
 """Batch-invariant mode in training (gen.batch_invariant = true): on-policy updates see the learner's
 recomputed log-probs equal to the behaviour log-probs, logprob_diff exactly 0.0 on every update,
-in one process (fp32 and bf16, the default and the long-response job) and on 2 ranks (DDP, FSDP)."""
+in one process (fp32 and bf16, the default and the long-response job, a MoE model) and on 2 ranks (DDP, FSDP)."""
 
 import json
 import subprocess
@@ -25,6 +25,14 @@ def _diffs(history):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_default_job_logs_logprob_diff_zero_on_every_update(tmp_path, dtype):
     history = Trainer(short_run_config(tmp_path, dtype, ON + ["--model.dtype", dtype])).run()
+    assert _diffs(history) == [0.0] * 4
+
+
+@pytest.mark.parametrize("replay", ["false", "true"])
+def test_a_moe_job_logs_logprob_diff_zero_on_every_update(tmp_path, replay):
+    """tiny-moe in bf16, with and without routing replay (the learner routes by the engine's ids)."""
+    extra = ON + ["--model.name", "tiny-moe", "--model.dtype", "bfloat16", "--gen.record_routing", replay]
+    history = Trainer(short_run_config(tmp_path, f"moe-{replay}", extra)).run()
     assert _diffs(history) == [0.0] * 4
 
 

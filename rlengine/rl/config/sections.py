@@ -93,7 +93,7 @@ class GenSection:
     # torch | skinny | a saved table's .json path (pinned: a seeded run reproduces token for token)
     cpu_kernels: str = "cache"
     # one fixed-order kernel per op on the engine and the learner: sampled log-probs equal the
-    # learner's recomputation bit for bit (CPU, dense models; model/batch_invariant.py)
+    # learner's recomputation bit for bit (CPU; model/batch_invariant.py)
     batch_invariant: bool = False
     # decode a GRPO group's shared prompt pages once per group (cascade attention; cpp / triton backends)
     shared_prefix_decode: bool = True
