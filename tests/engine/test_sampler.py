@@ -466,7 +466,7 @@ def test_filter_logits_keeps_the_sort_based_set_exactly(V, ties, compact, monkey
     z = torch.randn(B, V, generator=gen) * torch.tensor([4.0, 0.3, 1.0]).repeat(B // 3)[:, None]
     if ties:
         z = (z * 2).round() / 2
-    top_k = torch.tensor([[0, -1, 0, 7, 0, 40][i % 6] for i in range(B)])
+    top_k = torch.tensor([[0, -1, 100, 7, 0, 40][i % 6] for i in range(B)])  # 100: more than CANDIDATES
     top_p = torch.tensor([[0.95, 1e-6, 0.9999, 0.5, 0.8, 1.0, 0.3, 0.99][i % 8] for i in range(B)])
     out = filter_logits(z, top_k, top_p)
     for i in range(B):

@@ -22,6 +22,7 @@ import torch
 
 from rlengine.benchmarks.harness import add_sweep_args, measure, report, selected_providers, sweep_cases
 from rlengine.engine import filtering
+from rlengine.engine import sampler as sampler_mod
 from rlengine.engine.sampler import Sampler, make_sampling_batch
 from rlengine.engine.sampling_params import SamplingParams
 
@@ -48,8 +49,7 @@ def _rows(B, V, device, providers, iters):
             fn = filtering.filter_logits_sorted if name == "sorted" else filtering.filter_logits
             filt = measure(lambda: fn(z, sb.top_k, sb.top_p, sb.max_top_k), iters=iters, device=device)
             sampler = Sampler(device, seed=0)
-            orig = filtering.filter_logits
-            import rlengine.engine.sampler as sampler_mod
+            orig = sampler_mod.filter_logits
             sampler_mod.filter_logits = fn  # the Sampler call with this provider's filter
             try:
                 full = measure(lambda: sampler(z, sb), iters=iters, device=device)
