@@ -20,6 +20,9 @@ batch bucket and replays it. The contract of a captured step:
 - Weights are captured by address: in-place updates (optimizer steps, load_state_dict) are
   seen by the next replay; rebinding a parameter's .data is not.
 
+- A capture rewrites the staging buffers (fill_padding): it first waits for the device, since under
+  overlap (LLM(async_scheduling=True)) the step in flight may still be copying its inputs from them.
+
 StaticReplay is the CPU stand-in for torch.cuda.CUDAGraph with the same contract (replay reads
 only the fixed buffers and the capture-time batch), so the bucketing, padding and buffer logic
 is tested on machines without a GPU; only the capture itself needs CUDA.
@@ -51,6 +54,11 @@ def bucket_sizes(max_bs: int) -> list[int]:
 class CudaGraph:
     """One captured decode step on the current CUDA stream, in a memory pool shared by all buckets."""
 
+    @staticmethod
+    def wait_device() -> None:
+        """Wait for all queued work (before a capture rewrites the staging buffers a queued copy reads)."""
+        torch.cuda.synchronize()
+
     def __init__(self, pool):
         self.pool = pool
         self.graph = torch.cuda.CUDAGraph()
@@ -76,6 +84,10 @@ class StaticReplay:
     tokens in the tests. It cannot detect a host sync inside the captured region: only a real
     capture does (tests/gpu/test_model_and_engine_gpu.py).
     """
+
+    @staticmethod
+    def wait_device() -> None:
+        """Nothing is queued on a CPU: every launch has run to its end."""
 
     def __init__(self, pool=None):
         self.fn: Callable[[], GraphOutput] | None = None
@@ -139,6 +151,9 @@ class DecodeGraphs:
         """Capture the decode forward for bucket bs (its buffers filled with padding rows only)."""
         if bs in self.graphs:
             return
+        # Under overlap the step in flight may still be copying its inputs from the pinned staging slot
+        # fill_padding rewrites: wait for it first (a capture synchronizes anyway, so this costs nothing).
+        self.graph_cls.wait_device()
         self.inputs.fill_padding(bs)
         fb = self.inputs.static_batch(bs)
         engine_routing(self.moe_blocks, self.record_routing)

@@ -95,7 +95,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, kv_pool: KVPool | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto", seed: int = 0,
-                 moe_impl: str = "ref", record_routing: bool = False, enforce_eager: bool = False,
+                 moe_impl: str = "auto", record_routing: bool = False, enforce_eager: bool = False,
                  cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, cpu_kernels: str = "cache", batch_invariant: bool = False,

@@ -7,8 +7,8 @@ bucket: both read the same input buffers), the LM head on each sequence's last t
 (with the step's penalties / min_tokens / min_p from sampling_rules.RuleState, when a row has one),
 and the packing of the sampled tokens, their log-probs and (when recorded) the MoE routing ids into
 one int32 buffer whose copy to the host is queued behind them. read() waits for that copy: the
-step's ONE device-to-host read (a step that carries a logprobs / prompt_logprobs request reads its
-top-k and ranks too, after that one); nothing else in a decode step reads the device
+step's ONE device-to-host read (a logprobs request's top-k and ranks come packed in a second buffer
+copied before the same event; a prefill with prompt_logprobs reads those after it); nothing else in a decode step reads the device
 (tests/engine/test_host_reads.py counts it, tests/gpu/test_engine_sync_and_backends_gpu.py runs under sync-debug mode).
 run() = read(launch()). With overlap (LLM(async_scheduling=True)) the LLM launches step t+1 before
 reading step t: inputs whose token step t is still sampling are gathered on the device from step
@@ -60,7 +60,7 @@ class LaunchedStep:
     ids_shape: tuple[int, ...] | None     # [T, L, K] of the routing ids, or None
     event: torch.cuda.Event | None        # recorded after the output copy (GPU)
     launched_at: float                    # perf_counter() at launch
-    top: tuple[torch.Tensor, ...] | None = None  # logprobs: ids [N, k] int64, log-probs [N, k] fp32, ranks [N]
+    top_k: int | None = None              # logprobs: k of the records packed in the slot's top buffer, or None
     prompt: dict | None = None            # prompt_logprobs: batch.seqs index -> 4 tensors (StepOutput.prompt)
 
 
@@ -89,6 +89,11 @@ class ModelRunner:
         self._out_host_np = self.out_host.numpy()
         self._events = [torch.cuda.Event() for _ in range(slots)] if cuda else None
         self._launches = 0
+        # logprobs records per slot: top ids [N, k] | top log-prob bits [N, k] | ranks [N], int32; sized at
+        # first use and grown when a step needs more (a slot is only resized once its last step was read)
+        self._top_dev: list[torch.Tensor | None] = [None] * slots
+        self._top_host: list[torch.Tensor | None] = [None] * slots
+        self._top_host_np: list[np.ndarray | None] = [None] * slots
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
@@ -143,14 +148,16 @@ class ModelRunner:
                 tokens_N, logprobs_N = self.sampler(logits_NV, prep.sb, rules)
             if rules is not None:
                 rules.count(tokens_N)
-            step = self._queue_outputs(batch, prep, tokens_N, logprobs_N, ids_TLK)
-            step.top, step.prompt = top, prompt
+            step = self._queue_outputs(batch, prep, tokens_N, logprobs_N, ids_TLK, top)
+            step.prompt = prompt
         self.inputs.launched(prep, step.step_id if self.inputs.overlap else None)
         return step
 
     def _queue_outputs(self, batch, prep, tokens_N: torch.Tensor, logprobs_N: torch.Tensor,
-                       ids_TLK: torch.Tensor | None) -> LaunchedStep:
-        """Pack tokens, log-prob bits and routing ids into one int32 buffer; queue its copy to pinned memory."""
+                       ids_TLK: torch.Tensor | None, top: list[torch.Tensor] | None = None) -> LaunchedStep:
+        """Pack tokens, log-prob bits and routing ids into one int32 buffer (and a logprobs step's top ids
+        [N, k], top log-probs [N, k] and ranks [N] into the slot's top buffer); queue the copies to pinned
+        memory, both before the slot's event."""
         N = tokens_N.shape[0]
         n = 2 * N + (ids_TLK.numel() if ids_TLK is not None else 0)
         slot = self._launches % (self.out_dev.numel() // self._words)
@@ -160,24 +167,55 @@ class ModelRunner:
         out[N:2 * N].view(torch.float32).copy_(logprobs_N)
         if ids_TLK is not None:
             out[2 * N:].view(ids_TLK.shape).copy_(ids_TLK)
+        k = None if top is None else top[0].shape[1]
+        if top is not None:
+            self._pack_top(slot, *top)
         event = None
         if self._events is not None:
             self.out_host[base:base + n].copy_(out, non_blocking=True)
+            if top is not None:
+                m = N * (2 * k + 1)
+                self._top_host[slot][:m].copy_(self._top_dev[slot][:m], non_blocking=True)
             event = self._events[slot]
             event.record()
         self._launches += 1
         return LaunchedStep(self._launches, batch, prep, tokens_N, slot, n,
-                            None if ids_TLK is None else tuple(ids_TLK.shape), event, time.perf_counter())
+                            None if ids_TLK is None else tuple(ids_TLK.shape), event, time.perf_counter(), top_k=k)
+
+    def _pack_top(self, slot: int, ids_Nk: torch.Tensor, lp_Nk: torch.Tensor, rank_N: torch.Tensor) -> None:
+        """Top ids [N, k] int64, log-probs [N, k] fp32 and ranks [N] int64 -> the slot's int32 top buffer."""
+        N, k = ids_Nk.shape
+        m = N * (2 * k + 1)
+        if self._top_dev[slot] is None or self._top_dev[slot].numel() < m:
+            size = max(m, self._words)
+            self._top_dev[slot] = torch.zeros(size, dtype=torch.int32, device=self.device)
+            self._top_host[slot] = (torch.zeros(size, dtype=torch.int32, pin_memory=True)
+                                    if self._events is not None else self._top_dev[slot])
+            self._top_host_np[slot] = self._top_host[slot].numpy()
+        buf = self._top_dev[slot]
+        buf[:N * k].view(N, k).copy_(ids_Nk)
+        buf[N * k:2 * N * k].view(torch.float32).view(N, k).copy_(lp_Nk)
+        buf[2 * N * k:m].copy_(rank_N)
 
     def read(self, step: LaunchedStep, live: np.ndarray | None = None) -> StepOutput:
         """Wait for a launched step's outputs (the one host read) -> StepOutput; rows take their tokens
         (only the `live` samples [N] bool under overlap: the others left their rows meanwhile)."""
         tokens, logprobs, ids = self._read_outputs(step)
         self.inputs.tokens_read(step.prep, tokens, live)
-        top = None if step.top is None else tuple(t.tolist() for t in step.top)  # the extra read
+        top = self._read_top(step)
         prompt = None if step.prompt is None else {r: tuple(t.tolist() for t in v) for r, v in step.prompt.items()}
         return StepOutput(tokens.tolist(), logprobs.tolist(), self._routing_per_sample(step.batch, step.prep, ids),
                           top, prompt)
+
+    def _read_top(self, step: LaunchedStep) -> tuple[list, list, list] | None:
+        """The logprobs records of a step whose outputs were read (its event covers their copy): ([N][k] top
+        ids, [N][k] top log-probs, [N] ranks) from the slot's pinned top buffer; no device read."""
+        if step.top_k is None:
+            return None
+        N, k = step.prep.sb.num_samples, step.top_k
+        host = self._top_host_np[step.slot]
+        return (host[:N * k].reshape(N, k).tolist(), host[N * k:2 * N * k].view(np.float32).reshape(N, k).tolist(),
+                host[2 * N * k:N * (2 * k + 1)].tolist())
 
     def _prompt_logprobs(self, batch: ScheduledBatch, fb, hidden_TC: torch.Tensor) -> dict | None:
         """prompt_logprobs of the prefilled sequences that ask for them and have no output yet (a recompute

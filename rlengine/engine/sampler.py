@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rlengine.engine.filtering import CANDIDATES, filter_logits  # noqa: F401 (re-exported)
 from rlengine.engine.sampling_params import LOGPROBS_MODES, SamplingParams
 from rlengine.engine.sampling_rules import StepRules
 from rlengine.model import batch_invariant
@@ -46,11 +47,6 @@ SAMPLED = 1     # temperature > 0 (else greedy)
 FILTERED = 2    # top-k or top-p on
 PROCESSED = 4   # log-prob under the filtered distribution (sampled and filtered rows only)
 SEEDED = 8      # sampled with a per-request seed (hashed exponentials)
-
-# On the CPU a full sort of [B, V] logits costs tens of ms at B = 256 (a decode step is ~100 ms):
-# top-k / top-p first look at the CANDIDATES most likely tokens (torch.topk) and sort the whole row
-# only for the rows whose kept set reaches past them (a flat distribution with top_p near 1).
-CANDIDATES = 64
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M32 = 0xFFFFFFFF
@@ -143,6 +139,12 @@ def log_softmax(z_NV: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     return z_NV - batch_invariant.logsumexp(z_NV)[:, None] if invariant else z_NV.log_softmax(dim=-1)
 
 
+def token_logprob(z_NV: torch.Tensor, tokens_N: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """log_softmax(z)[token] per row [N] fp32 as z[token] - logsumexp(z): one reduction over [N, V], no
+    [N, V] log_softmax (invariant: the batch-invariant logsumexp)."""
+    return z_NV.gather(1, tokens_N.view(-1, 1)).view(-1) - lse_fn(invariant)(z_NV)
+
+
 def chunk_log_mass(x_NCS: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """log of each chunk's unnormalised mass [N, num_chunks] (-inf for a chunk of excluded tokens)."""
     return lse_fn(invariant)(x_NCS)
@@ -161,60 +163,6 @@ def chunking(V: int) -> tuple[int, int]:
     return S0, -(-V // S0)
 
 
-def filter_logits(z_BV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  max_top_k: int | None = None, invariant: bool = False) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and top-p nucleus. top_k <= 0 / top_p = 1 mean off.
-
-    z_BV: temperature-scaled logits [B, V] fp32; top_k [B] int64; top_p [B] fp32. Returns a new tensor.
-    Top-k first, then the nucleus over the renormalised top-k: the smallest prefix of tokens (by
-    descending prob) whose mass reaches top_p. On the CPU the candidate count is
-    max(CANDIDATES, the largest top_k < V): max_top_k gives it from the host (else it is read from
-    top_k), and which rows need the full sort is read too (free there); on a GPU: one segmented
-    sort, no host read. invariant: the normalisers by the batch-invariant logsumexp.
-    """
-    lse = lse_fn(invariant)
-    exp = batch_invariant.exp if invariant else torch.exp
-    V = z_BV.shape[1]
-    k_B = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
-    K = V
-    if z_BV.device.type == "cpu":
-        if max_top_k is None:
-            max_top_k = int(k_B.masked_fill(k_B == V, 0).max())
-        K = min(V, max(CANDIDATES, max_top_k))
-    if K == V:
-        sorted_z, order = z_BV.sort(dim=-1, descending=True)
-        return _mask_ranked(z_BV, sorted_z, order, k_B, top_p, None, lse, exp)[0]
-    vals_BK, idx_BK = z_BV.topk(K, dim=-1)
-    out, inside_B = _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p, lse(z_BV), lse, exp)
-    no_filter_B = (k_B == V) & (top_p >= 1.0)
-    out = torch.where(no_filter_B[:, None], z_BV, out)
-    wide = (~inside_B & ~no_filter_B).nonzero()[:, 0]
-    if wide.numel():
-        sorted_z, order = z_BV[wide].sort(dim=-1, descending=True)
-        out[wide] = _mask_ranked(z_BV[wide], sorted_z, order, k_B[wide], top_p[wide], None, lse, exp)[0]
-    return out
-
-
-def _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p_B, lse_full_B, lse=_torch_logsumexp, exp=torch.exp):
-    """Top-k / top-p over a descending candidate list vals [B, K] (token ids idx [B, K]).
-
-    Returns (filtered logits [B, V] with everything outside the kept candidates at -inf,
-    inside [B]: the kept set provably ends within the K candidates). lse_full [B] normalises
-    rows without top-k when K < V (None when K == V: the candidates are the whole row).
-    """
-    K = vals_BK.shape[1]
-    drop = torch.arange(K, device=vals_BK.device) >= k_B[:, None]
-    lse_B = lse(vals_BK.masked_fill(drop, float("-inf")))  # renormalised over the top-k
-    if lse_full_B is not None:
-        lse_B = torch.where(k_B <= K, lse_B, lse_full_B)
-    probs = exp(vals_BK - lse_B[:, None]).masked_fill_(drop, 0.0)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= (mass_before >= top_p_B[:, None]) & (top_p_B[:, None] < 1.0)
-    drop[:, 0] = False  # always keep the most likely token
-    out = torch.full_like(z_BV, float("-inf")).scatter_(1, idx_BK, vals_BK.masked_fill(drop, float("-inf")))
-    return out, drop[:, -1] | (k_B <= K)
-
-
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, invariant: bool = False):
         self.device = device
@@ -230,9 +178,7 @@ class Sampler:
         tensors uploaded by sampling_rules.RuleState.for_step).
         """
         tokens_N1, z_NV = self._draw(logits_NV, sb, rules)
-        if self.invariant:
-            return tokens_N1.view(-1), (z_NV.gather(1, tokens_N1) - batch_invariant.logsumexp(z_NV)[:, None]).view(-1)
-        return tokens_N1.view(-1), z_NV.log_softmax(dim=-1).gather(1, tokens_N1).view(-1)
+        return tokens_N1.view(-1), token_logprob(z_NV, tokens_N1.view(-1), self.invariant)
 
     def sample_with_top(self, logits_NV: torch.Tensor, sb: SamplingBatch, k: int, rules: StepRules | None = None):
         """As __call__, plus the k most likely tokens of each row's log-prob distribution (the one its
@@ -314,13 +260,13 @@ def sequence_logprobs(logits_TV: torch.Tensor, targets_T: torch.Tensor, *, tempe
     The same definition as the Sampler for one request's SamplingParams (see sampling_params.py):
     "raw" = log_softmax(logits / temperature); "processed" = log_softmax(filter_logits(logits /
     temperature)); temperature 0 (greedy) = log_softmax(logits) in both modes. Same ops as the
-    sampler, so on the same logits the values agree bit for bit (on the CPU a nucleus boundary within
-    rounding of top_p may still fall differently if the sampler's batch held a top_k > CANDIDATES,
-    which changes the candidate count). Differentiable w.r.t. logits; the
+    sampler, so on the same logits the values agree bit for bit (the nucleus masses are fp64 sums, so
+    the candidate count a batch's largest top_k sets does not move the boundary beyond fp64
+    rounding). Differentiable w.r.t. logits; the
     top-k / top-p keep-mask is a constant of the backward, so it is computed under no_grad (no sort /
     topk / scatter on the autograd graph) and applied with masked_fill. Masked-out tokens get -inf
     and no gradient, so a target that was filtered out gives -inf (its gradient stays finite).
-    Host sync on the CPU only (inside filter_logits). invariant: the batch-invariant mode's
+    Host reads on the CPU only (inside filter_logits). invariant: the batch-invariant mode's
     reductions (the Sampler's with invariant=True), equal to its values bit for bit.
     """
     if mode not in LOGPROBS_MODES:
@@ -335,8 +281,7 @@ def sequence_logprobs(logits_TV: torch.Tensor, targets_T: torch.Tensor, *, tempe
             with torch.no_grad():
                 k_T = torch.full((T,), top_k, dtype=torch.int64, device=z_TV.device)
                 p_T = torch.full((T,), top_p, dtype=torch.float32, device=z_TV.device)
-                keep_TV = filter_logits(z_TV.detach(), k_T, p_T, invariant=invariant).isfinite()
+                max_top_k = top_k if 0 < top_k < z_TV.shape[1] else 0  # from the host: no read of k_T
+                keep_TV = filter_logits(z_TV.detach(), k_T, p_T, max_top_k, invariant=invariant).isfinite()
             z_TV = z_TV.masked_fill(~keep_TV, float("-inf"))  # the kept entries are filter_logits' values
-    if invariant:
-        return z_TV.gather(1, targets_T.view(-1, 1).long()).view(-1) - batch_invariant.logsumexp(z_TV)
-    return z_TV.log_softmax(dim=-1).gather(1, targets_T.view(-1, 1).long()).view(-1)
+    return token_logprob(z_TV, targets_T.long(), invariant)

@@ -351,7 +351,7 @@ class StepInputs:
         kinds_any = int(np.bitwise_or.reduce(kinds))
         kinds_all = int(np.bitwise_and.reduce(kinds))
         max_top_k = 0
-        if kinds_any & FILTERED and self.device.type == "cpu":
+        if kinds_any & FILTERED:  # the filter's candidate count, from the host on every device
             max_top_k = int(np.where((top_k > 0) & (top_k < self.vocab_size), top_k, 0).max())
         full = dev["kind"].shape[0] == N
 

@@ -81,7 +81,9 @@ class PackedCausal:
         if self._flat is None or self._flat.device != device:
             S = self.max_len
             idx = torch.cat([torch.arange(i * S, i * S + (b - a)) for i, (a, b) in enumerate(self.bounds)])
-            self._flat = idx.to(device)  # built once per step, shared by every layer
+            if device.type == "cuda":  # pinned: the copy is queued without a wait on pageable memory
+                idx = idx.pin_memory()
+            self._flat = idx.to(device, non_blocking=True)  # built once per step, shared by every layer
         return self._flat
 
     def attend(self, layer_id, q_THD, k_TKD, v_TKD):

@@ -16,6 +16,7 @@ import torch
 from rlengine.config import DTYPES, ConfigError, preset
 from rlengine.model.generation_config import generation_eos_ids, merge_ids
 from rlengine.model.loader import load_config, load_pretrained
+from rlengine.model.moe import MOE_IMPLS, triton_available
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 
@@ -24,11 +25,23 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def build_model(name: str, *, dtype: str | torch.dtype = "float32", device=None, moe_impl: str = "ref",
+def resolve_moe_impl(moe_impl: str, device: torch.device | str) -> str:
+    """"auto" -> "triton" on a CUDA device with triton installed (sync-free experts: MoE decode steps can run
+    as CUDA graphs), else "ref" (the torch loop); "ref" / "triton" unchanged (anything else: ValueError)."""
+    if moe_impl == "auto":
+        return "triton" if torch.device(device).type == "cuda" and triton_available() else "ref"
+    if moe_impl not in MOE_IMPLS:
+        raise ValueError(f"moe_impl must be 'auto' or one of {MOE_IMPLS}, got {moe_impl!r}")
+    return moe_impl
+
+
+def build_model(name: str, *, dtype: str | torch.dtype = "float32", device=None, moe_impl: str = "auto",
                 seed: int = 0) -> Qwen3ForCausalLM:
-    """A preset name (random init from `seed`) or a checkpoint directory -> Qwen3ForCausalLM."""
+    """A preset name (random init from `seed`) or a checkpoint directory -> Qwen3ForCausalLM.
+    moe_impl: "auto" (resolve_moe_impl: Triton on a GPU), "ref" or "triton"."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = torch.device(device) if device is not None else default_device()
+    moe_impl = resolve_moe_impl(moe_impl, device)
     if Path(str(name)).is_dir():
         model = load_pretrained(name, dtype=dtype, device=device, moe_impl=moe_impl)
         eos = merge_ids(model.config.eos_token_ids, generation_eos_ids(name))

@@ -215,3 +215,20 @@ def test_decode_graph_batch_is_static():
         assert getattr(prep.fb, name).data_ptr() == getattr(fb, name).data_ptr(), name
     assert fb.positions.tolist() == [3, 9, 1, 0] and fb.kv_indptr.tolist() == [0, 1, 3, 4, 5]
     assert fb.kv_indices[4].item() == llm.kv_cache.null_block and g.bucket(3) == 4
+
+
+def test_moe_impl_auto_picks_triton_on_a_gpu_only(moe, monkeypatch):
+    """The default moe_impl "auto": the torch loop on a CPU (or without triton), Triton on a CUDA device, so
+    MoE decode steps there are graph-safe; a bad name is refused."""
+    from rlengine.model import factory
+
+    _, path = moe
+    llm = LLM(str(path), attention_backend="cpp")  # the default, on the CPU
+    assert {b.impl for b in llm.model.moe_blocks()} == {"ref"}
+    monkeypatch.setattr(factory, "triton_available", lambda: True)
+    assert factory.resolve_moe_impl("auto", "cuda") == "triton"
+    assert factory.resolve_moe_impl("auto", "cpu") == "ref"
+    monkeypatch.setattr(factory, "triton_available", lambda: False)
+    assert factory.resolve_moe_impl("auto", "cuda:0") == "ref"
+    with pytest.raises(ValueError, match="moe_impl must be 'auto'"):
+        factory.resolve_moe_impl("fast", "cpu")

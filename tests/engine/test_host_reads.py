@@ -9,8 +9,9 @@ make exactly one _read_outputs call and no other device read, eagerly and throug
 stand-in. tests/gpu/test_engine_sync_and_backends_gpu.py runs the same steps under
 torch.cuda.set_sync_debug_mode("error").
 The negative control plants a .tolist() in the sampler and checks that the counter sees it.
-Top-k / top-p batches are left out of the strict check on purpose: on the CPU filter_logits takes
-a candidate shortcut that reads the host (free there; a GPU runs one sort and reads nothing).
+Top-k / top-p batches are left out of the strict check on purpose: on the CPU filter_logits reads
+the host to pick and compact its rows (free there; a GPU runs masked passes and reads nothing).
+Steps with logprobs requests are checked too: their top-k records travel in the packed copy.
 """
 
 import pytest
@@ -123,3 +124,37 @@ def test_one_host_read_per_step_with_overlap(monkeypatch):
             assert counter.reads == [], counter.reads
             strict += 1
     assert strict >= 8 and llm.runner.graphs.num_replays > 0
+
+
+LOGPROBS = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3),
+            SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=0),
+            SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("graphs,overlap", [(False, False), (True, False), (True, True)],
+                         ids=["eager", "graph-replay", "graph-replay-overlap"])
+def test_logprobs_records_come_with_the_one_read(monkeypatch, graphs, overlap):
+    """A decode step with logprobs requests: the top ids, top log-probs and ranks travel in the packed copy
+    behind the step's event, so the step still makes one output read and no other device read."""
+    llm = _engine(graphs, async_scheduling=overlap)
+    ids = [llm.add_request(prompt, p) for prompt, p in zip([[5, 6, 7], [8] * 9, [9, 10]], LOGPROBS)]
+    counter = HostReadCounter(monkeypatch)
+    strict, finished = 0, {}
+    while llm.has_unfinished():
+        counter.reset()
+        records = len(llm.trace)
+        finished.update((o.request_id, o) for o in llm.step())
+        read_kind = llm.trace[-1].kind if len(llm.trace) > records else None
+        launched = llm._in_flight.step.batch.kind if llm._in_flight is not None else None
+        if read_kind == "decode" and launched in (None, "decode"):
+            assert counter.outputs == 1 and counter.reads == [], counter.reads
+            strict += 1
+    assert strict >= 8
+    for rid, k in zip(ids, (3, 0)):
+        for c in finished[rid].outputs:
+            assert len(c.logprobs) == len(c.token_ids)
+            for tok, lp, entry in zip(c.token_ids, c.token_logprobs, c.logprobs):
+                assert len(entry) in (k, k + 1) and entry[tok].logprob == pytest.approx(lp, abs=1e-6)
+                if k:
+                    top = [entry[i].logprob for i in list(entry)[:k]]
+                    assert top == sorted(top, reverse=True) and [entry[i].rank for i in list(entry)[:k]] == [1, 2, 3]

@@ -144,3 +144,54 @@ def test_the_comparison_catches_stale_input_tokens(monkeypatch):
                         lambda self, batch, pad_to, prev: orig(self, batch, pad_to, None))
     with pytest.raises(AssertionError):
         _assert_same(_engine(True).generate(prompts, params), ref)
+
+
+class _GpuLikeStaging:
+    """The GPU's staging on the CPU: two host slots and a separate device buffer (StepInputs' layout under
+    overlap on a GPU). Each upload's source bytes are kept until a point that, on a GPU, orders after the
+    non_blocking copy: the read of a step's outputs (its event follows every queued copy) or a device wait
+    (graph_cls.wait_device). A slot whose bytes changed before then would have been copied half-rewritten:
+    `races` counts those uploads."""
+
+    def __init__(self, llm, monkeypatch):
+        inputs = self.inputs = llm.runner.inputs
+        n = inputs.dev.numel()
+        inputs._hosts = [torch.zeros(n, dtype=torch.uint8) for _ in range(2)]
+        inputs._hosts_np = [h.numpy() for h in inputs._hosts]
+        inputs.dev = torch.zeros(n, dtype=torch.uint8)
+        inputs._views.clear()
+        self.pending, self.races = [], 0
+        upload = inputs._upload
+
+        def recorded_upload(nbytes):
+            self.pending.append((inputs._slot, nbytes, inputs.host[:nbytes].clone()))
+            upload(nbytes)
+        monkeypatch.setattr(inputs, "_upload", recorded_upload)
+        read = ModelRunner._read_outputs
+        monkeypatch.setattr(ModelRunner, "_read_outputs", lambda runner, step: self.settle() or read(runner, step))
+
+    def settle(self) -> None:
+        for slot, n, snapshot in self.pending:
+            self.races += not torch.equal(self.inputs._hosts[slot][:n], snapshot)
+        self.pending.clear()
+
+
+def test_capturing_a_bucket_waits_for_the_step_in_flight(monkeypatch):
+    """With overlap, the first decode step in a new bucket captures it from launch(), while the previous step's
+    input copy may still read the staging slot the capture's fill_padding rewrites. The capture must wait for
+    the device first: no upload may see its slot rewritten before the copy is known done, and the tokens
+    equal the synchronous engine's."""
+    prompts, params = _prompts(), _params(_stop_token())
+    ref = _engine(False).generate(prompts, params)
+    llm = LLM(MODEL, max_num_seqs=8, block_size=4, max_model_len=32, attention_backend="cpp", async_scheduling=True)
+    staging = _GpuLikeStaging(llm, monkeypatch)
+
+    class WaitingReplay(StaticReplay):
+        wait_device = staticmethod(staging.settle)
+    llm._use_decode_graphs(WaitingReplay, sizes=[2, 4, 8])
+    outs = llm.generate(prompts, params)
+    while llm.has_unfinished():
+        llm.step()
+    _assert_same(outs, ref)
+    assert llm.runner.graphs.num_replays > 0 and len(llm.runner.graphs.graphs) == 3  # captured mid-run
+    assert staging.races == 0, f"{staging.races} staging uploads were rewritten before their copy was done"
