@@ -8,7 +8,8 @@ judged rungs), at B_KV (the last rung is B_KV rounded down to G), or at the ladd
 already started is finished so every point has two probes. The critical B_gen is the smallest
 judged B_gen with q >= (1 - delta) q_max. Its gain over the coupled point is "inconclusive" when
 smaller than twice the larger repeat spread of the two. Each probe sets gen.max_lag to the lag
-its B_gen implies (implied_max_lag), so lag aborts do not cap q.
+its B_gen implies (implied_max_lag), so lag aborts do not cap q, and skips the pipeline fill
+(probe_window).
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ def implied_max_lag(b_gen: int, b_train: int) -> int:
     if b_gen < b_train or b_train < 1:
         raise ValueError(f"implied_max_lag needs b_gen >= b_train >= 1, got {b_gen}, {b_train}")
     return math.ceil(b_gen / b_train) + 1
+
+
+def probe_window(b_gen: int, b_train: int, skip: int, updates: int) -> tuple[int, int]:
+    """(skip, updates) of a probe at b_gen: the first fill of B_gen in flight holds about B_gen / B_train
+    updates' worth of responses, so at least that many leading updates are skipped (their t_gen
+    is the fill, later ones would be pre-generated); the measured window keeps its length."""
+    lead = max(skip, math.ceil(b_gen / b_train))
+    return lead, lead + (updates - skip)
 
 
 def window(curve: RunCurve, skip: int, updates: int) -> tuple[int, int]:
@@ -99,19 +108,26 @@ def critical(points: Sequence[GenPoint], delta: float) -> GenPoint:
     return next(p for p in sorted(points, key=lambda p: p.b_gen) if p.q >= bar)
 
 
-def verdict(base: GenPoint, crit: GenPoint) -> str:
-    """gain | inconclusive (gain < 2 x the larger repeat spread) | no gain (critical is coupled)."""
-    if crit.b_gen == base.b_gen:
+def verdict(points: Sequence[GenPoint], crit: GenPoint) -> str:
+    """gain | no gain | inconclusive. The gain judged is the critical point's over the coupled one (the
+    best point's when the critical one is coupled); under twice the larger repeat spread of the two
+    it cannot be told from noise: inconclusive, neither a gain nor a plateau."""
+    base = points[0]
+    other = crit if crit.b_gen != base.b_gen else max(points, key=lambda p: p.q)
+    if other is base:
         return "no gain"
-    gain = crit.q / base.q - 1
-    return "inconclusive" if gain < 2 * max(base.spread, crit.spread) else "gain"
+    gain = other.q / base.q - 1
+    if abs(gain) < 2 * max(base.spread, other.spread):
+        return "inconclusive"
+    return "gain" if crit.b_gen != base.b_gen else "no gain"
 
 
 def run_ladder(values: Sequence[int], make_plan: Callable[[int, int], RunPlan], runner: Runner, *,
-               b_train: int, label: str, delta: float, skip: int, updates: int, b_kv: int, b_kv_source: str,
-               capped: bool) -> GenSweep:
+               b_train: int, label: str, delta: float, window_for: Callable[[int], tuple[int, int]], b_kv: int,
+               b_kv_source: str, capped: bool) -> GenSweep:
     """Probe the rungs `values` (ascending, values[0] = B_train) in probe_order, stopping by stop_after;
-    make_plan(b_gen, repeat) gives each probe's RunPlan; capped: the last rung is B_KV's."""
+    make_plan(b_gen, repeat) gives each probe's RunPlan, window_for(b_gen) its (skip, updates) window;
+    capped: the last rung is B_KV's."""
     probes: dict[int, list[GenPoint]] = {}
     judged: list[GenPoint] = []
     reason = "B_KV" if capped else "ladder end"
@@ -121,7 +137,7 @@ def run_ladder(values: Sequence[int], make_plan: Callable[[int, int], RunPlan], 
         if curve is None:
             reason = "budget"
             break
-        probes.setdefault(b_gen, []).append(window_point(curve, b_gen, skip, updates))
+        probes.setdefault(b_gen, []).append(window_point(curve, b_gen, *window_for(b_gen)))
         if rep == 1:
             judged.append(merge_points(probes[b_gen]))
             if stop_after([p.q for p in judged], delta):
@@ -130,7 +146,7 @@ def run_ladder(values: Sequence[int], make_plan: Callable[[int, int], RunPlan], 
                 if pending in probes:  # finish the rung already started: every point has two probes
                     more = runner(make_plan(pending, 1))
                     if more is not None:
-                        probes[pending].append(window_point(more, pending, skip, updates))
+                        probes[pending].append(window_point(more, pending, *window_for(pending)))
                         judged.append(merge_points(probes[pending]))
                 break
     points = judged or [merge_points(v) for v in probes.values()][:1]
@@ -140,4 +156,4 @@ def run_ladder(values: Sequence[int], make_plan: Callable[[int, int], RunPlan], 
     crit = critical(points, delta)
     return GenSweep(b_train=b_train, label=label, points=tuple(points), b_kv=b_kv, b_kv_source=b_kv_source,
                     critical_b_gen=crit.b_gen, plateau=reason == "plateau", stop_reason=reason,
-                    verdict=verdict(points[0], crit))
+                    verdict=verdict(points, crit))

@@ -67,7 +67,7 @@ def candidates_markdown(result: TuneResult) -> str:
     lines = ["| config | gen share | q | free-gen ceiling q | mean resp len | decode steps / rollout | mean B_act "
              "| stale aborted / dropped | LR | outcome |\n|" + "---|" * 10]
     sweeps = {sw.label: sw for sw in result.stage2.sweeps}
-    for c in result.stage1.candidates:
+    for c in (c for c in result.stage1.candidates if c.stage == "stage1"):
         sw = sweeps.get(c.label)
         p = sw.points[0] if sw and sw.points else None
         row = rows.get(c.label)

@@ -74,9 +74,8 @@ def retune(spec: TuneSpec, cands: list[CandidateStats], curves: list[RunCurve], 
         scales[cand.b_train] = best
         summary = ", ".join(f"{_scale_label(f)}: N* {censored_mean_n(m[0]):.0f} ({m[0].reached}/{len(m[0].hits)})"
                             for f, m in sorted(members.items()))
-        text = (f"retuned: eta x{best:.3g} kept" if best != 1.0 else "retune bracket run: the sqrt-rule eta kept") \
-            + f" (censored mean N* {summary})"
-        notes.append(f"stage 1: {cand.label}: r_N > 1 + {spec.retune_eps}; {text}")
+        text = f"retuned: eta {_scale_label(best)} kept" if best != 1.0 else "bracket run: the sqrt-rule eta kept"
+        notes.append(f"stage 1: {cand.label}: r_N > 1 + {spec.retune_eps}; {text} (censored mean N* {summary})")
         cands, curves = _swap(cands, curves, cand, members, best, text)
     return cands, curves, scales
 

@@ -21,7 +21,7 @@ import math
 from typing import Callable, Sequence
 
 from rlengine.tune.curves import candidate_stats, mean_sd
-from rlengine.tune.ladder import run_ladder, window_point
+from rlengine.tune.ladder import probe_window, run_ladder, window_point
 from rlengine.tune.stage1 import curve_overrides, lr_scale
 from rlengine.tune.types import (CandidateStats, EngineFacts, GenPoint, GenSweep, RunCurve, RunPlan, Stage1Result,
                                  Stage2Result, TuneSpec)
@@ -82,13 +82,13 @@ def sweep_candidate(spec: TuneSpec, cand: CandidateStats, first: RunCurve, runne
                        overrides=_probe_overrides(spec, cand.b_train, b_gen, kv_blocks, scale))
 
     return run_ladder(values, plan, runner, b_train=cand.b_train, label=cand.label, delta=spec.plateau_delta,
-                      skip=spec.probe_skip, updates=spec.probe_updates, b_kv=b_kv, b_kv_source=b_kv_source,
-                      capped=capped)
+                      window_for=lambda g: probe_window(g, cand.b_train, spec.probe_skip, spec.probe_updates),
+                      b_kv=b_kv, b_kv_source=b_kv_source, capped=capped)
 
 
 def _probe_overrides(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int, scale: float = 1.0) -> tuple:
     over = dict(curve_overrides(spec, b_train, b_gen=b_gen, num_kv_blocks=kv_blocks, lr_scale=scale))
-    over["train.updates"] = spec.probe_updates
+    over["train.updates"] = probe_window(b_gen, b_train, spec.probe_skip, spec.probe_updates)[1]
     return tuple(over.items())
 
 
