@@ -45,7 +45,7 @@ def _save(fig, out: Path) -> Path:
 
 def _first_crossing(xs, js, target):
     """N* as the report computes it: on the isotonic fit of J."""
-    from rlengine.tune.stats import monotone_crossing
+    from rlengine.analysis.isotonic import monotone_crossing
 
     return monotone_crossing(xs, js, target) if xs else None
 

@@ -15,6 +15,11 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from rlengine.analysis.isotonic import isotonic, monotone_crossing
+
+__all__ = ["Interval", "censored_n", "isotonic", "log_interval", "monotone_crossing", "paired_log_ratio",
+           "repeat_spread", "t975"]
+
 # two-sided 95% Student t quantiles t_{0.975, df}, df = 1..30 (standard table values)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
          2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
@@ -70,37 +75,6 @@ def log_interval(d: Sequence[float]) -> Interval | None:
     half = t975(k - 1) * sd / math.sqrt(k)
     return Interval(ratio=math.exp(m), lo=math.exp(m - half), hi=math.exp(m + half), k=k, sd_log=sd,
                     resolvable=math.exp(half) - 1)
-
-
-def isotonic(y: Sequence[float], w: Sequence[float] | None = None) -> list[float]:
-    """The nondecreasing least-squares fit to y (weights w, default 1): pool adjacent violators."""
-    w = [1.0] * len(y) if w is None else list(w)
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for v, wt in zip(y, w):
-        blocks.append([float(v), float(wt), 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, w2, c2 = blocks.pop()
-            m1, w1, c1 = blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
-    out: list[float] = []
-    for m, _, c in blocks:
-        out += [m] * c
-    return out
-
-
-def monotone_crossing(n: Sequence[float], j: Sequence[float], target: float) -> float | None:
-    """N* where the isotonic fit of J against N first reaches target (linear between evaluations);
-    None when the fit never reaches it (the seed is censored at its budget)."""
-    if len(n) != len(j) or not n:
-        raise ValueError("monotone_crossing needs matching, non-empty N and J")
-    fit = isotonic(j)
-    if fit[0] >= target:
-        return float(n[0])
-    for i in range(1, len(fit)):
-        if fit[i] >= target:
-            lo, hi = fit[i - 1], fit[i]
-            return n[i - 1] + (target - lo) / (hi - lo) * (n[i] - n[i - 1])
-    return None
 
 
 def censored_n(hits: Sequence[float | None], budgets: Sequence[float]) -> list[tuple[float, bool]]:
