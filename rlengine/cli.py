@@ -233,7 +233,9 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 
 
 def _cmd_tune(args) -> int:
-    """Algorithm 1 of docs/METHOD.md (rlengine.tune): stage 1, stage 2, choice, confirmation, report in --out."""
+    """Algorithm 1 of docs/METHOD.md (rlengine.tune): stage 1, stage 2, choice, confirmation, report in --out.
+    Dotted --section.field overrides change the job first, as for `train`; --predict only prints
+    the Eq. 5 B_gen knee for the job on a device and starts no run."""
     from importlib import resources
 
     from rlengine.config import ConfigError
@@ -242,11 +244,18 @@ def _cmd_tune(args) -> int:
     from rlengine.tune import TuneSpec, tune
 
     path = args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml")
-    cfg = load_config(path)
+    cfg = load_config(path, args.overrides)
     check_train_config(cfg)
     job = cfg.to_dict()
     b = job["train"]["b_train"]
+    if args.predict:
+        return _tune_predict(job, args)
     auto_gen = args.b_gen == "auto"
+    b_gen = () if auto_gen else _int_list(args.b_gen, "--b-gen")
+    small = [v for v in b_gen if v <= b]
+    if small:
+        raise ConfigError(f"--b-gen {args.b_gen}: {small} <= the job's B_train {b}; stage 2 raises B_gen above "
+                          f"B_train (B_gen = B_train is always probed), give values > {b}")
     try:
         spec = TuneSpec(job=job, target_j=args.target_j,
                         b_train=(_int_list(args.b_train, "--b-train") if args.b_train
@@ -254,15 +263,35 @@ def _cmd_tune(args) -> int:
                         seeds=tuple(range(args.first_seed, args.first_seed + args.seeds)), n_max=args.n_max,
                         eval_every=args.eval_every,
                         stop_at_target=not args.full_curves, fixed_lr=args.fixed_lr,
-                        b_gen=() if auto_gen else _int_list(args.b_gen, "--b-gen"), explicit_b_gen=not auto_gen,
-                        plateau_delta=args.delta, kv_bytes=args.kv_bytes, recheck=args.recheck,
-                        confirm_seeds=args.confirm_seeds, budget_s=args.budget_s, clock=args.clock)
+                        b_gen=b_gen, explicit_b_gen=not auto_gen, probe_updates=args.probe_updates,
+                        probe_skip=args.probe_skip, plateau_delta=args.delta, kv_bytes=args.kv_bytes,
+                        recheck=args.recheck, confirm_seeds=args.confirm_seeds, budget_s=args.budget_s,
+                        clock=args.clock, threads=args.threads, retune=not args.no_retune)
     except ConfigError:
         raise
     except ValueError as exc:  # TuneSpec's checks of the options
         raise ConfigError(str(exc)) from None
     result = tune(spec, args.out, resume=args.resume)
     print(f"chosen: {result.chosen or 'none'}; report: {args.out}/report.md")
+    return 0
+
+
+def _tune_predict(job: dict, args) -> int:
+    """`tune --predict DEVICE`: Eq. 5's critical B_gen for the job (rlengine.tune.predict); prints and exits."""
+    import json
+
+    from rlengine.tune.predict import device_ceilings, format_prediction, job_model_config, predict_knee
+
+    dtype = job["model"]["dtype"] if args.predict == "cpu" or args.predict.endswith(".json") else "bfloat16"
+    context = args.predict_context or job["gen"]["max_tokens"]
+    p = predict_knee(job_model_config(job), device_ceilings(args.predict), context_len=context, dtype=dtype,
+                     delta=args.delta, b_max=args.predict_b_max)
+    print(format_prediction(p, job["train"]["b_train"]))
+    if args.out and args.out != "runs/tune":
+        import dataclasses
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "predict.json").write_text(json.dumps(dataclasses.asdict(p), indent=1))
     return 0
 
 
@@ -397,7 +426,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-j", type=float, default=0.6, help="J* (default 0.6: the bundled job's mid-way J)")
     p.add_argument("--b-train", default="", help="candidate B_train list, e.g. 64,128,256,512 "
                    "(default: the job's B_train x 1/2, 1, 2, 4)")
-    p.add_argument("--b-gen", default="auto", help="stage-2 B_gen list, or auto (1, 2, 4, 8 x B_train)")
+    p.add_argument("--b-gen", default="auto", help="stage-2 B_gen list, each > the job's B_train, or auto "
+                   "(1, 2, 4, 8 x B_train)")
+    p.add_argument("--probe-updates", type=int, default=12, help="updates per stage-2 throughput probe")
+    p.add_argument("--probe-skip", type=int, default=2, help="leading probe updates left out of q (more when "
+                   "B_gen / B_train is larger: the pipeline fill)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for every run (fixed and recorded)")
+    p.add_argument("--no-retune", action="store_true", help="no LR bracket for candidates with r_N > 1 + eps")
+    p.add_argument("--predict", default=None, metavar="DEVICE", help="print the Eq. 5 B_gen knee of the job on "
+                   "DEVICE (H100, H200, cpu: measured now, or a `rlengine bench ceilings` JSON) and exit")
+    p.add_argument("--predict-context", type=int, default=0, help="--predict: context length S (default: "
+                   "gen.max_tokens)")
+    p.add_argument("--predict-b-max", type=int, default=4096, help="--predict: largest B considered (B_KV)")
     p.add_argument("--seeds", type=int, default=3, help="seeds per configuration (S..S+K-1)")
     p.add_argument("--first-seed", type=int, default=0, help="S: the first run.seed")
     p.add_argument("--n-max", type=int, default=0, help="response budget per curve (default: the job's)")
@@ -448,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     function's traceback, the list of prompts that do not fit) are printed above it. Bugs propagate."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if getattr(args, "command", None) in ("train", "config", "info"):  # dotted --section.field overrides
+    if getattr(args, "command", None) in ("train", "config", "info", "tune"):  # dotted --section.field overrides
         args.overrides = unknown
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

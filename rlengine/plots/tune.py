@@ -3,9 +3,11 @@
   python -m rlengine.plots.tune OUT/report.json [-o OUT/figures]   (or tools/tune_plots.py)
       tune_j_vs_n.png      J against N (retained responses): one panel per seed with every
                            configuration overlaid, J* dotted, each run's N* marked
-      tune_j_vs_time.png   the same curves against the run's own clock (t_gen + t_train)
-      tune_q_vs_bgen.png   q against B_gen per B_train: the (1 - delta) q_max plateau threshold,
-                           the critical B_gen (star) and B_KV (vertical line) when known
+      tune_j_vs_time.png   the same curves against the run's own clock (t_gen + t_train), labelled
+                           CPU-clock or wall-clock as the runs measured it
+      tune_q_vs_bgen.png   q against B_gen per B_train (mean of the repeated probes, bars: their
+                           min..max; y from 0): the (1 - delta) q_max threshold, the critical
+                           B_gen (star) and B_KV (vertical line) when known
 rlengine.tune.report calls draw_all() itself after writing report.json.
 """
 
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -41,12 +44,16 @@ def _save(fig, out: Path) -> Path:
 
 
 def _first_crossing(xs, js, target):
-    for i, (x, j) in enumerate(zip(xs, js)):
-        if j >= target:
-            if i == 0:
-                return x
-            return xs[i - 1] + (target - js[i - 1]) / (j - js[i - 1]) * (x - xs[i - 1])
-    return None
+    """N* as the report computes it: on the isotonic fit of J."""
+    from rlengine.analysis.isotonic import monotone_crossing
+
+    return monotone_crossing(xs, js, target) if xs else None
+
+
+def clock_label(report: dict) -> str:
+    """"CPU-clock" / "wall-clock" (or both) from what the runs' t_gen / t_train measured."""
+    clocks = sorted({c.get("clock", "wall") for c in _curves(report)})
+    return " + ".join({"cpu": "CPU-clock", "wall": "wall-clock"}.get(c, c) for c in clocks) or "wall-clock"
 
 
 def plot_j(report: dict, out: Path, *, x_key: str, x_label: str, title: str) -> Path:
@@ -71,13 +78,15 @@ def plot_j(report: dict, out: Path, *, x_key: str, x_label: str, title: str) -> 
                 ax.plot([x_hit], [target], "o", color=colour[k], ms=4)
         ax.axhline(target, color="k", lw=0.8, ls=":")
         ax.set(title=f"seed {seed}", xlabel=x_label)
+        ax.set_xlim(left=0)
+        ax.set_ylim(0, 1)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(seeds):]:
         ax.axis("off")
     for ax in axes[:, 0]:
         ax.set_ylabel("J (held-out)")
-    fig.suptitle(f"{title}; J* = {target} dotted, N* marked")
+    fig.suptitle(f"{title}\nJ* = {target} dotted, N* (isotonic fit) marked", fontsize=10)
     return _save(fig, out)
 
 
@@ -107,8 +116,11 @@ def plot_q_vs_bgen(report: dict, out: Path) -> Path | None:
         colour = plt.get_cmap("tab10")(i)
         pts = sw["points"]
         b, q = [p["b_gen"] for p in pts], [p["q"] for p in pts]
+        reps = [p.get("q_reps") or [p["q"]] for p in pts]
+        err = [[v - min(r) for v, r in zip(q, reps)], [max(r) - v for v, r in zip(q, reps)]]
         reason = sw["stop_reason"].split(":")[0]
-        ax.plot(b, q, "o-", color=colour, label=f"B_train {sw['b_train']} ({reason})")
+        ax.errorbar(b, q, yerr=err, fmt="o-", color=colour, capsize=3,
+                    label=f"B_train {sw['b_train']} ({reason}; {sw.get('verdict') or '-'})")
         ax.axhline((1 - delta) * max(q), color=colour, lw=0.7, ls="--")
         crit = next(p for p in pts if p["b_gen"] == sw["critical_b_gen"]) if sw["critical_b_gen"] in b else None
         if crit:
@@ -119,8 +131,10 @@ def plot_q_vs_bgen(report: dict, out: Path) -> Path | None:
     elif b_kv:  # far right of every point: named, not drawn, so the points keep the axis
         ax.plot([], [], " ", label=f"B_KV = {b_kv} (off the axis)")
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="B_gen (responses in flight)", ylabel="q = responses / (t_gen + t_train)",
-           title=f"end-to-end throughput; dashed: (1 - {delta}) q_max, star: critical B_gen")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="B_gen (responses in flight)", ylabel=f"q = responses / {clock_label(report)} s",
+           title=f"end-to-end throughput (bars: repeat min..max)\ndashed: (1 - {delta}) q_max, star: critical B_gen")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     return _save(fig, out)
@@ -129,10 +143,11 @@ def plot_q_vs_bgen(report: dict, out: Path) -> Path | None:
 def draw_all(report: dict, fig_dir: str | Path) -> list[Path]:
     """The three figures into fig_dir (the q figure only when there is a sweep)."""
     fig_dir = Path(fig_dir)
+    clock = clock_label(report)
     paths = [plot_j(report, fig_dir / "tune_j_vs_n.png", x_key="eval_n", x_label="N (retained responses)",
                     title="J against samples (sample-matched curves)"),
              plot_j(report, fig_dir / "tune_j_vs_time.png", x_key="eval_t",
-                    x_label="wall-clock t_gen + t_train (s)", title="J against time")]
+                    x_label=f"{clock} t_gen + t_train (s)", title=f"J against {clock} time")]
     q = plot_q_vs_bgen(report, fig_dir / "tune_q_vs_bgen.png")
     return paths + ([q] if q else [])
 

@@ -16,7 +16,8 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from rlengine.analysis.accounting import first_crossing, value_at
+from rlengine.analysis.accounting import value_at
+from rlengine.tune.stats import monotone_crossing
 from rlengine.tune.types import CandidateStats, EngineFacts, RunCurve, TargetHit
 
 
@@ -30,7 +31,7 @@ def lr_effective(train: dict) -> float:
 def curve_from_records(records: Sequence[dict], config: dict, *, name: str, label: str = "", stage: str = "run",
                        stopped_at_target: bool = False, wall_s: float = 0.0, cpu_s: float = 0.0,
                        load: tuple[float, ...] = (), engine: EngineFacts | None = None,
-                       clock: str = "wall") -> RunCurve:
+                       clock: str = "wall", threads: int = 0) -> RunCurve:
     """A RunCurve from metric records (update 0 first) and the run's config dict."""
     if not records or records[0].get("update") != 0 or records[0].get("J") is None:
         raise ValueError(f"run {name}: the records must start with the update-0 evaluation")
@@ -38,6 +39,7 @@ def curve_from_records(records: Sequence[dict], config: dict, *, name: str, labe
     b_train = int(train["b_train"])
     eval_n, eval_j, eval_t = [], [], []
     update_n, update_t, t_gen, grad, lag = [], [], [], [], []
+    b_act, tokens, resp_len, stale = [], [], [], []
     elapsed = 0.0
     for r in records:
         if r["update"] > 0:
@@ -49,6 +51,10 @@ def curve_from_records(records: Sequence[dict], config: dict, *, name: str, labe
             t_gen.append(float(r["t_gen"]))
             grad.append(float(r.get("actor_grad_norm") or 0.0))
             lag.append(float(r.get("policy_lag_mean") or 0.0))
+            b_act.append(float(r.get("b_act_mean") or 0.0))
+            tokens.append(float(r.get("gen_tokens") or 0.0))
+            resp_len.append(float(r.get("response_length/mean") or 0.0))
+            stale.append((int(r.get("stale_aborted") or 0), int(r.get("stale_dropped") or 0)))
         if r.get("J") is not None:
             eval_n.append(float(r["N"]))
             eval_j.append(float(r["J"]))
@@ -59,7 +65,9 @@ def curve_from_records(records: Sequence[dict], config: dict, *, name: str, labe
                     eval_t=tuple(eval_t), update_n=tuple(update_n), update_t=tuple(update_t),
                     update_t_gen=tuple(t_gen), grad_norm=tuple(grad), policy_lag=tuple(lag),
                     stopped_at_target=stopped_at_target, wall_s=wall_s, cpu_s=cpu_s, load=tuple(load),
-                    engine=engine, clock=clock)
+                    engine=engine, clock=clock, threads=threads, max_lag=int(gen.get("max_lag", 1)),
+                    update_b_act=tuple(b_act), update_gen_tokens=tuple(tokens), update_resp_len=tuple(resp_len),
+                    update_stale=tuple(stale))
 
 
 def read_run(run_dir: str | Path) -> RunCurve:
@@ -76,7 +84,7 @@ def read_run(run_dir: str | Path) -> RunCurve:
                               wall_s=meta.get("wall_s", 0.0), cpu_s=meta.get("cpu_s", 0.0),
                               load=tuple(meta.get("load", ())),
                               engine=EngineFacts(**meta["engine"]) if meta.get("engine") else None,
-                              clock=meta.get("clock", "wall"))
+                              clock=meta.get("clock", "wall"), threads=meta.get("threads", 0))
 
 
 def config_label(config: dict) -> str:
@@ -92,8 +100,8 @@ def config_label(config: dict) -> str:
 
 
 def target_hit(curve: RunCurve, target_j: float) -> TargetHit:
-    """N*, T and K* of one run (TargetHit(reached=False) when no evaluation reached J*)."""
-    n_star = first_crossing(curve.eval_n, curve.eval_j, target_j)
+    """N*, T and K* of one run from the isotonic fit of its J (TargetHit(reached=False): censored)."""
+    n_star = monotone_crossing(curve.eval_n, curve.eval_j, target_j)
     if n_star is None:
         return TargetHit(reached=False, n_star=None, t_star=None, k_star=None)
     t_star = value_at(curve.eval_n, curve.eval_t, n_star)

@@ -41,7 +41,8 @@ def log_log_slope(x: Sequence[float], y: Sequence[float]) -> float:
 
 def grad_norm_slope(candidates: Sequence[CandidateStats]) -> SlopeFit:
     """Slope fits over `candidates` (one per B_train, sqrt rule, the same seeds in each)."""
-    cands = sorted((c for c in candidates if c.lr_rule != "none" and c.b_gen == c.b_train), key=lambda c: c.b_train)
+    cands = sorted((c for c in candidates if c.lr_rule != "none" and c.b_gen == c.b_train
+                    and c.stage not in ("retune", "control")), key=lambda c: c.b_train)
     batches = tuple(c.b_train for c in cands)
     if len(set(batches)) < 2:
         return SlopeFit(batches=batches, slope_of_means=None, slopes=(), slope_mean=None, slope_sd=None, ratios=())

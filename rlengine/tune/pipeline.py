@@ -10,13 +10,15 @@ grad-norm slope and figures, with no runs started.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 from rlengine.tune.curves import candidate_stats, group_curves, lr_effective, read_run, target_hit
 from rlengine.tune.runner import TrainerRunner, plan_config
-from rlengine.tune.stage1 import budgets, curve_overrides, run_stage1
+from rlengine.tune.stage1 import budgets, curve_overrides, lr_scale, run_stage1
+from rlengine.tune.stats import paired_log_ratio
 from rlengine.tune.stage2 import run_stage2
 from rlengine.tune.table import build_rows, choose_row
 from rlengine.tune.types import (Confirmation, GenPoint, GenSweep, RunCurve, RunPlan, RunsReport, TuneResult,
@@ -25,9 +27,10 @@ from rlengine.tune.types import (Confirmation, GenPoint, GenSweep, RunCurve, Run
 Runner = Callable[[RunPlan], "RunCurve | None"]
 
 
-def chosen_overrides(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int = 0) -> tuple:
-    """Overrides that turn the job into a chosen (B_train, B_gen): the sqrt rule from (B0, eta0)."""
-    over = dict(curve_overrides(spec, b_train, b_gen=b_gen, num_kv_blocks=kv_blocks))
+def chosen_overrides(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int = 0, scale: float = 1.0) -> tuple:
+    """Overrides that turn the job into a chosen (B_train, B_gen): the sqrt rule from (B0, eta0) times
+    the retune's LR factor, and the lag B_gen implies when async."""
+    over = dict(curve_overrides(spec, b_train, b_gen=b_gen, num_kv_blocks=kv_blocks, lr_scale=scale))
     over.pop("eval.every_responses")  # how the tune evaluated, not part of the configuration
     return tuple(over.items())
 
@@ -59,8 +62,10 @@ def confirm(spec: TuneSpec, label: str, overrides: tuple, runner: Runner, notes:
     mc = [t for t in t_c if t is not None]
     md = [t for t in t_d if t is not None]
     rom = (sum(mc) / len(mc)) / (sum(md) / len(md)) if mc and md else None
+    pairs = [(c, d) for c, d in zip(t_c, t_d) if c and d]
+    ci = paired_log_ratio([c for c, _ in pairs], [d for _, d in pairs]) if pairs else None
     return Confirmation(chosen=label, default="job", seeds=seeds, t_chosen=tuple(t_c), t_default=tuple(t_d),
-                        ratio=ratio, ratio_of_means=rom), curves
+                        ratio=ratio, ratio_of_means=rom, interval=dataclasses.asdict(ci) if ci else None), curves
 
 
 def _meaning(job: dict, plan: RunPlan) -> dict:
@@ -88,7 +93,7 @@ def tune(spec: TuneSpec, out_dir: str | Path, *, runner: Runner | None = None, r
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     runner = runner or TrainerRunner(spec.job, out_dir, resume=resume, budget_s=spec.budget_s, clock=spec.clock,
-                                     log=log)
+                                     threads=spec.threads, log=log)
     notes: list[str] = []
     log(f"tune: stage 1 (training batch): B_train {sorted(spec.b_train)}, seeds {list(spec.seeds)}, "
         f"J* = {spec.target_j}")
@@ -101,16 +106,31 @@ def tune(spec: TuneSpec, out_dir: str | Path, *, runner: Runner | None = None, r
     if best is None:
         notes.append("choice: no configuration reached J* on every seed; nothing chosen")
     else:
-        over = chosen_overrides(spec, best.b_train, best.b_gen, s2.kv_blocks)
+        over = chosen_overrides(spec, best.b_train, best.b_gen, s2.kv_blocks, lr_scale(s1, best.b_train))
         if spec.confirm_seeds:
             log(f"tune: confirmation: {best.label} against the job on {spec.confirm_seeds} fresh seeds")
             conf, curves = confirm(spec, best.label, over, runner, notes)
     result = TuneResult(spec=spec, stage1=s1, stage2=s2, rows=tuple(rows), chosen=best.label if best else "",
                         chosen_overrides=over, confirmation=conf, confirm_curves=tuple(curves),
-                        notes=tuple(notes), wall_s=time.perf_counter() - t0)
+                        notes=tuple(notes), wall_s=time.perf_counter() - t0, header=run_header(spec, s1),
+                        chosen_lr=best.lr if best else 0.0)
     write_report(result, out_dir)
     log(f"tune: report in {out_dir} ({result.wall_s:.0f} s)")
     return result
+
+
+def run_header(spec: TuneSpec, s1) -> dict:
+    """The conditions every number of the report was measured under: threads, load, clock, host."""
+    import os
+    import platform
+
+    curves = s1.curves
+    loads = [x for c in curves for x in c.load if x >= 0]
+    busy = [c.cpu_s / c.wall_s for c in curves if c.wall_s > 0 and c.cpu_s > 0]
+    return {"threads": spec.threads, "clock": sorted({c.clock for c in curves}) or [spec.clock],
+            "load_min": min(loads, default=None), "load_max": max(loads, default=None),
+            "cpu_per_wall": (sum(busy) / len(busy)) if busy else None, "cores": os.cpu_count(),
+            "host": platform.processor() or platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:

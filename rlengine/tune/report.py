@@ -19,7 +19,12 @@ from pathlib import Path
 from typing import Sequence
 
 from rlengine.tune.gradnorm import SlopeFit, grad_norm_slope
-from rlengine.tune.types import CandidateStats, GenSweep, RunsReport, TableRow, TuneResult
+from rlengine.tune.report_md import (candidates_markdown, confirm_markdown, grad_lines, header_markdown,
+                                     slopes_markdown, sweeps_markdown, table_markdown)
+from rlengine.tune.types import CandidateStats, RunsReport, TableRow, TuneResult
+
+__all__ = ["chosen_toml", "draw_figures", "grad_fits", "table_markdown", "to_toml", "write_report",
+           "write_runs_report"]
 
 INVARIANT_TOL = 1.2  # r_N within [1/1.2, 1.2] of the reference counts as sample-matched invariance
 
@@ -59,63 +64,26 @@ def to_toml(d: dict) -> str:
     return text
 
 
-def _f(v, fmt="{:.3g}") -> str:
-    return "-" if v is None else fmt.format(v)
+def chosen_toml(result: TuneResult) -> str:
+    """The chosen configuration as a job TOML that reads right: the validated config (b_train = P x G,
+    prompts_per_step with it), lr = the LR the configuration actually ran with at its own batch (b0 = 0)."""
+    from rlengine.rl.config import TrainConfig
 
-
-def table_markdown(rows: Sequence[TableRow], reference: str) -> str:
-    head = ("| config | B_train | B_gen | eta | reached | K* | N* (sd) | T s (sd) | r_N [seed range] | q/q_ref "
-            "| T/T_ref [seed range] | wins | eligible |\n|" + "---|" * 13)
-    lines = [head]
-    for r in rows:
-        rng = f" [{r.r_n_range[0]:.2f}, {r.r_n_range[1]:.2f}]" if r.r_n_range else ""
-        if r.r_n_lower is not None:
-            rng += f"; >= {r.r_n_lower:.2f} all seeds"
-        t_rng = f" [{r.t_norm_range[0]:.2f}, {r.t_norm_range[1]:.2f}]" if r.t_norm_range else ""
-        lines.append(
-            f"| {r.label}{' (ref)' if r.label == reference else ''} | {r.b_train} | {r.b_gen} | {r.lr:.3g} | "
-            f"{r.reached} | {_f(r.k_star, '{:.1f}')} | {_f(r.n_star, '{:.0f}')} ({_f(r.n_star_sd, '{:.0f}')}) | "
-            f"{_f(r.t, '{:.2f}')} ({_f(r.t_sd, '{:.2f}')}) | {_f(r.r_n, '{:.2f}')}{rng} | "
-            f"{_f(r.q_ratio, '{:.2f}')} | {_f(r.t_norm, '{:.2f}')}{t_rng} | {'-' if r.wins is None else r.wins} | "
-            f"{'yes' if r.eligible else 'no'} |")
-    return "\n".join(lines)
-
-
-def sweeps_markdown(sweeps: Sequence[GenSweep]) -> str:
-    lines = ["| B_train | B_gen | q (resp/s) | q_gen | mean lag | from |\n|---|---|---|---|---|---|"]
-    for sw in sweeps:
-        for p in sw.points:
-            star = " (critical)" if p.b_gen == sw.critical_b_gen else ""
-            lines.append(f"| {sw.b_train} | {p.b_gen}{star} | {p.q:.0f} | {p.q_gen:.0f} | {p.lag_mean:.2f} | "
-                         f"{p.source} |")
-    lines.append("")
-    for sw in sweeps:
-        lines.append(f"- B_train {sw.b_train}: critical B_gen {sw.critical_b_gen}; stopped: {sw.stop_reason}; "
-                     f"B_KV = {sw.b_kv or 'unknown'} ({sw.b_kv_source})")
-    return "\n".join(lines)
-
-
-def slopes_markdown(fits: dict[str, SlopeFit]) -> str:
-    lines = []
-    for name, f in fits.items():
-        if f.slope_of_means is None:
-            lines.append(f"- {name}: fewer than 2 batch sizes, no slope")
-            continue
-        per_seed = ", ".join(f"{s:.3f}" for s in f.slopes)
-        lines.append(f"- {name} (B_train {list(f.batches)}): slope of seed means {f.slope_of_means:.3f}; per seed "
-                     f"[{per_seed}], mean {_f(f.slope_mean, '{:.3f}')} sd {_f(f.slope_sd, '{:.3f}')} "
-                     f"(B^-1/2 gives -0.5); ratio per doubling between neighbours "
-                     f"[{', '.join(f'{r:.3f}' for r in f.ratios)}] (B^-1/2: 0.707)")
-    return "\n".join(lines)
-
-
-def _grad_lines(cands: Sequence[CandidateStats], window: float) -> str:
-    lines = [f"Mean actor grad norm (before clipping) over the updates with N <= {window:.0f}:", "",
-             "| config | per seed | mean |\n|---|---|---|"]
-    for c in cands:
-        lines.append(f"| {c.label} | {', '.join(f'{g:.3f}' for g in c.grad_norm)} | "
-                     f"{sum(c.grad_norm) / len(c.grad_norm):.3f} |")
-    return "\n".join(lines)
+    job = json.loads(json.dumps(result.spec.job))
+    for key, v in result.chosen_overrides:
+        section, name = key.split(".", 1)
+        job[section][name] = v
+    job["train"]["prompts_per_step"] = int(job["train"]["b_train"]) // int(job["train"]["group_size"])
+    job["run"]["out_dir"] = "runs/tuned"
+    cfg = TrainConfig.from_dict(job).to_dict()
+    eta = TrainConfig.from_dict(job).train.lr_effective
+    cfg["train"].update(lr=eta, b0=0)
+    t = cfg["train"]
+    head = (f"# rlengine tune: {result.chosen} reaches J* = {result.spec.target_j} soonest of the candidates\n"
+            f"# B_train = P x G = {t['prompts_per_step']} x {t['group_size']} = {t['b_train']}; lr = {eta:.6g}, the LR "
+            f"it ran with (b0 = 0: lr is used as is at this batch); gen.b_gen = {cfg['gen']['b_gen']}, "
+            f"gen.max_lag = {cfg['gen']['max_lag']}\n")
+    return head + to_toml(cfg)
 
 
 def draw_figures(report_json: Path, fig_dir: Path) -> str:
@@ -156,24 +124,20 @@ def write_report(result: TuneResult, out_dir: str | Path) -> Path:
     payload["grad_fits"] = {k: dataclasses.asdict(v) for k, v in fits.items()}
     (out_dir / "report.json").write_text(json.dumps(payload, indent=1))
     if result.chosen_overrides:
-        job = json.loads(json.dumps(result.spec.job))
-        for key, v in result.chosen_overrides:
-            section, name = key.split(".", 1)
-            job[section][name] = v
-        job["run"]["out_dir"] = "runs/tuned"
-        (out_dir / "chosen.toml").write_text(f"# rlengine tune: {result.chosen} reaches J* = {result.spec.target_j} "
-                                             f"soonest of the candidates\n" + to_toml(job))
+        (out_dir / "chosen.toml").write_text(chosen_toml(result))
     n_runs, run_wall = _write_runs_jsonl(out_dir)
     figures = draw_figures(out_dir / "report.json", out_dir / "figures")
-    md = [f"# rlengine tune: J* = {result.spec.target_j}", "",
+    md = [f"# rlengine tune: J* = {result.spec.target_j}", "", header_markdown(result), "",
           f"Reference (B0, eta0) = ({s1.b0}, {s1.eta0:.3g}); every curve: N_max = {s1.n_max} responses, evaluated "
           f"each {s1.eval_every} responses; seeds {list(result.spec.seeds)}; T = t_gen + t_train up to N* "
-          f"(evaluation excluded), measured in {_clock(result)} seconds; means over the seeds that reached J*. "
-          f"{n_runs} runs, {run_wall:.0f} s of wall time in them (this invocation {result.wall_s:.0f} s).", "",
+          f"(evaluation excluded); N* where the isotonic fit of J crosses J*; means over the seeds that "
+          f"reached J*. {n_runs} runs, {run_wall:.0f} s of wall time in them (this invocation "
+          f"{result.wall_s:.0f} s).", "",
           "## Table 1", "", table_markdown(result.rows, s1.reference), "",
           f"Chosen: **{result.chosen or 'none'}**" + (" (chosen.toml)" if result.chosen_overrides else ""), "",
+          "## Per candidate: where the time goes", "", candidates_markdown(result), "",
           "## Stage 2: q against B_gen", "", sweeps_markdown(s2.sweeps) if s2.sweeps else "(no sweep)", ""]
-    stage1_n = {c.label.split(" ")[0]: c for c in s1.candidates if c.stage == "stage1"}
+    stage1_n = {c.label: c for c in s1.candidates if c.stage == "stage1"}
     for rc in s2.rechecks:
         base = stage1_n.get(f"{rc.b_train}")
         n_rc = [h.n_star for h in rc.hits if h.reached]
@@ -182,32 +146,10 @@ def write_report(result: TuneResult, out_dir: str | Path) -> Path:
             change = (sum(n_rc) / len(n_rc)) / (sum(n_s1) / len(n_s1)) - 1
             md.append(f"- re-check {rc.label}: N* {sum(n_rc) / len(n_rc):.0f} vs {sum(n_s1) / len(n_s1):.0f} "
                       f"coupled ({change:+.0%}), reached {rc.reached}/{len(rc.hits)}")
-    md += ["", "## Confirmation: chosen vs the job on fresh seeds", "", _confirm_md(result), "",
-           "## Gradient norm against B_train", "", _grad_lines(s1.candidates, s1.grad_window), "",
+    md += ["", "## Confirmation: chosen vs the job on fresh seeds", "", confirm_markdown(result), "",
+           "## Gradient norm against B_train", "", grad_lines(s1.candidates, s1.grad_window), "",
            slopes_markdown(fits), "", "## Notes", ""]
     return _write_md(md, result.notes, figures, out_dir)
-
-
-def _clock(result: TuneResult) -> str:
-    clocks = sorted({c.clock for c in result.stage1.curves})
-    return " + ".join(clocks) + (" (process CPU time)" if clocks == ["cpu"] else "")
-
-
-def _confirm_md(result: TuneResult) -> str:
-    c = result.confirmation
-    if c is None:
-        return "not run (" + ("the chosen configuration is the job's own" if result.chosen else "nothing chosen") \
-            + " or --confirm-seeds 0)"
-    lines = ["| seed | T chosen (s) | T job (s) | ratio |\n|---|---|---|---|"]
-    for s, a, b in zip(c.seeds, c.t_chosen, c.t_default):
-        ratio = f"{a / b:.2f}" if a is not None and b is not None else "-"
-        lines.append(f"| {s} | {_f(a, '{:.2f}')} | {_f(b, '{:.2f}')} | {ratio} |")
-    if c.ratio:
-        m = sum(c.ratio) / len(c.ratio)
-        sd = math.sqrt(sum((x - m) ** 2 for x in c.ratio) / (len(c.ratio) - 1)) if len(c.ratio) > 1 else None
-        lines.append(f"\nT_chosen / T_job per seed: mean {m:.2f}, sd {_f(sd, '{:.2f}')}, range "
-                     f"[{min(c.ratio):.2f}, {max(c.ratio):.2f}]; ratio of mean times {_f(c.ratio_of_means, '{:.2f}')}")
-    return "\n".join(lines)
 
 
 def write_runs_report(result: RunsReport, out_dir: str | Path) -> Path:
@@ -221,8 +163,8 @@ def write_runs_report(result: RunsReport, out_dir: str | Path) -> Path:
     figures = draw_figures(out_dir / "report.json", out_dir / "figures")
     md = [f"# rlengine report: J* = {result.target_j}", "", table_markdown(result.rows, result.reference), "",
           f"Best (max q / r_N among configurations that reached J* on every seed): **{result.chosen or 'none'}**", "",
-          sweeps_markdown(result.sweeps) if result.sweeps else "", "", _grad_lines(result.candidates,
-                                                                                   result.grad_window), "",
+          sweeps_markdown(result.sweeps) if result.sweeps else "", "",
+          grad_lines(result.candidates, result.grad_window), "",
           slopes_markdown(fits), "", "## Notes", ""]
     return _write_md(md, result.notes, figures, out_dir)
 

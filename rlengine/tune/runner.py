@@ -6,7 +6,9 @@ evaluation reaching it (N* and T are then known; the rest of the budget would no
 That stop is the Trainer's own hook, Trainer.run(stop_when=...), checked after each logged update.
 A finished run writes
 tune_run.json last, so an interrupted tune leaves either a finished run or a directory to redo:
-with resume=True finished runs whose config matches are read back instead of rerun.
+with resume=True finished runs whose config matches are read back instead of rerun. Every run
+uses the same fixed torch thread count (set before the Trainer is built, recorded in tune_run.json):
+throughput figures of runs with different thread counts would not compare.
 """
 
 from __future__ import annotations
@@ -103,8 +105,10 @@ class TrainerRunner:
     """Callable RunPlan -> RunCurve (None when the time budget is spent), one run at a time."""
 
     def __init__(self, job: dict, out_dir: str | Path, *, resume: bool = False, budget_s: float = 0.0,
-                 clock: str = "auto", log: Callable[[str], None] = print):
-        self.job, self.root = job, Path(out_dir) / "runs"
+                 clock: str = "auto", threads: int = 1, log: Callable[[str], None] = print):
+        if threads < 1:
+            raise ConfigError(f"tune: threads must be >= 1, got {threads}")
+        self.job, self.root, self.threads = job, Path(out_dir) / "runs", threads
         self.clock = resolve_clock(clock, job)
         self.resume, self.budget_s, self.log = resume, budget_s, log
         self.start = time.perf_counter()
@@ -139,8 +143,11 @@ class TrainerRunner:
         return self._execute(plan, cfg, run_dir)
 
     def _execute(self, plan: RunPlan, cfg: TrainConfig, run_dir: Path) -> RunCurve:
+        import torch
+
         from rlengine.rl.trainer.loop import Trainer
 
+        torch.set_num_threads(self.threads)
         load0, t0, cpu0 = _load(), time.perf_counter(), time.process_time()
         trainer = Trainer(cfg)
         if self.clock == "cpu":
@@ -154,13 +161,13 @@ class TrainerRunner:
         engine = engine_facts(trainer.llm)
         curve = curve_from_records(trainer.history, cfg.to_dict(), name=plan.name, label=plan.label,
                                    stage=plan.stage, stopped_at_target=stopped, wall_s=wall, cpu_s=cpu,
-                                   load=load, engine=engine, clock=self.clock)
+                                   load=load, engine=engine, clock=self.clock, threads=self.threads)
         dist = getattr(trainer, "dist", None)
         if dist is None or dist.is_main:
             meta = {"name": plan.name, "label": plan.label, "stage": plan.stage, "seed": plan.seed,
                     "overrides": [list(kv) for kv in plan.overrides], "target_j": plan.target_j,
                     "stopped_at_target": stopped, "wall_s": wall, "cpu_s": cpu, "clock": self.clock,
-                    "load": list(load),
+                    "threads": self.threads, "load": list(load),
                     "engine": dataclasses.asdict(engine), "config": cfg.to_dict()}
             (run_dir / "tune_run.json").write_text(json.dumps(meta, indent=2))
         del trainer

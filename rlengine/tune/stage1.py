@@ -3,7 +3,8 @@
 Every candidate B_train runs with eta = eta0 * sqrt(B_train / B0) from the job's reference
 (B0 = the job's B_train, eta0 = its effective LR unless given), generation coupled (B_gen =
 B_train), the same response budget N_max (updates = ceil(N_max / B_train)) and evaluations on
-the same N grid (eval.every_responses). Runs go seed-major (every candidate of seed 0, then of
+the same N grid (eval.every_responses). A candidate whose r_N exceeds 1 + eps then gets the LR
+bracket of retune.py. Runs go seed-major (every candidate of seed 0, then of
 seed 1, ...) so a drift in machine load spreads over all candidates instead of one. The optional
 fixed-LR control runs the largest B_train at eta0 with no rule.
 """
@@ -15,6 +16,8 @@ from typing import Callable
 
 from rlengine.config import ConfigError
 from rlengine.tune.curves import candidate_stats, group_curves, lr_effective
+from rlengine.tune.ladder import implied_max_lag
+from rlengine.tune.retune import retune
 from rlengine.tune.types import RunCurve, RunPlan, Stage1Result, TuneSpec
 
 Runner = Callable[[RunPlan], "RunCurve | None"]
@@ -45,14 +48,17 @@ def candidate_batches(spec: TuneSpec) -> list[int]:
 
 
 def curve_overrides(spec: TuneSpec, b_train: int, *, rule: str = "sqrt", b_gen: int = 0,
-                    num_kv_blocks: int = 0) -> tuple:
-    """The overrides of one sample-matched curve at b_train: coupled unless b_gen is given, the
-    engine's own KV pool unless num_kv_blocks is (stage 2 under --kv-bytes)."""
+                    num_kv_blocks: int = 0, lr_scale: float = 1.0) -> tuple:
+    """The overrides of one sample-matched curve at b_train: coupled unless b_gen is given (then
+    gen.max_lag is the lag B_gen implies), the engine's own KV pool unless num_kv_blocks is (stage 2
+    under --kv-bytes), eta0 x lr_scale at B0 (the retune bracket)."""
     b0, eta0 = reference(spec)
     n_max, every = budgets(spec)
-    over = (("train.b_train", b_train), ("train.b0", b0), ("train.lr", eta0), ("train.lr_rule", rule),
+    over = (("train.b_train", b_train), ("train.b0", b0), ("train.lr", eta0 * lr_scale), ("train.lr_rule", rule),
             ("train.updates", math.ceil(n_max / b_train)), ("gen.b_gen", b_gen or b_train),
             ("eval.every_responses", every))
+    if b_gen > b_train:  # async: the lag this B_gen implies, so lag aborts do not cap its q
+        over += (("gen.max_lag", implied_max_lag(b_gen, b_train)),)
     return over + ((("gen.num_kv_blocks", num_kv_blocks),) if num_kv_blocks else ())
 
 
@@ -91,10 +97,22 @@ def run_stage1(spec: TuneSpec, runner: Runner, notes: list[str]) -> Stage1Result
     n_max, every = budgets(spec)
     main = [c for c in curves if c.stage == "stage1" and c.update_n]
     window = min((c.update_n[-1] for c in main), default=0.0)
-    cands = tuple(candidate_stats(cs, spec.target_j, window) for cs in group_curves(curves).values())
+    cands = [candidate_stats(cs, spec.target_j, window) for cs in group_curves(curves).values()]
+    scales: dict[int, float] = {}
+    if spec.retune:
+        def plan_for(b: int, seed: int, f: float) -> RunPlan:
+            return RunPlan(name=f"rt-b{b}-x{f:.3f}-s{seed}", stage="retune", label=f"{b} lr x{f:.3f}", seed=seed,
+                           overrides=curve_overrides(spec, b, lr_scale=f), target_j=_stop(spec))
+        cands, curves, scales = retune(spec, cands, curves, f"{b0}", window, plan_for, runner, notes)
     for c in cands:
         if not c.all_reached:
             notes.append(f"stage 1: {c.label} reached J* = {spec.target_j} on {c.reached}/{len(c.hits)} seeds "
                          f"within N_max = {n_max}")
-    return Stage1Result(reference=f"{b0}", b0=b0, eta0=eta0, n_max=n_max, eval_every=every, candidates=cands,
-                        curves=tuple(curves), grad_window=window)
+    return Stage1Result(reference=f"{b0}", b0=b0, eta0=eta0, n_max=n_max, eval_every=every,
+                        candidates=tuple(cands), curves=tuple(curves), grad_window=window,
+                        lr_scales=tuple(sorted(scales.items())))
+
+
+def lr_scale(s1: Stage1Result, b_train: int) -> float:
+    """The LR factor the retune kept for b_train (1: the sqrt rule's own eta)."""
+    return dict(s1.lr_scales).get(b_train, 1.0)

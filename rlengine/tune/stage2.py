@@ -1,15 +1,16 @@
 """Stage 2 of Algorithm 1 (docs/METHOD.md): raise B_gen (decode concurrency, async partial rollouts) per candidate.
 
 For each B_train that reached J* on every seed, B_gen climbs a ladder (1, 2, 4, 8 x B_train by
-default) until the end-to-end throughput q = responses / (t_gen + t_train) stops rising by more
-than delta (the plateau; the critical generation batch is the smallest B_gen with q >= (1 -
-delta) q_max) or the KV feasibility limit B_KV is hit. q is measured with one counter: the same
-window of updates (probe_skip, probe_updates] of a short probe run per B_gen (B_gen = B_train
-included), all of one ladder run back to back. B_KV is the engine's real capacity (blocks per
-sequence at the job's longest context, no prefix sharing counted: a bound that holds for any
-group size); --kv-bytes shrinks the pool to emulate a smaller device. Only the coupled stage-1
-runs of the first seed enter here, for the prune below and as the base the ladder's gain scales.
-A candidate whose throughput could not win even with free generation (q bounded by N / t_train)
+default; ladder.py): every rung probed twice, interleaved with its neighbours, each probe at the
+policy lag its B_gen implies (gen.max_lag); the ladder stops after two successive rungs fall
+below (1 - delta) q_max, at B_KV or at its end, and the critical B_gen is the smallest with q >=
+(1 - delta) q_max. A gain under twice its probes' repeat spread is called inconclusive. q is
+measured with one counter: the same window of updates (probe_skip, probe_updates] of a short
+probe run per B_gen. B_KV is the engine's real capacity (blocks per sequence at the job's
+longest context, no prefix sharing counted: a bound that holds for any group size);
+--kv-bytes shrinks the pool to emulate a smaller device. Only the coupled stage-1 runs of the
+first seed enter here, for the prune below and as the base the ladder's gain scales. A
+candidate whose throughput could not win even with free generation (q bounded by N / t_train)
 is not probed. Async rollouts change learning (policy lag), so the best async configurations
 are re-run on every seed to measure their N* again (the re-check).
 """
@@ -19,9 +20,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-from rlengine.analysis.fits import critical_generation_batch
 from rlengine.tune.curves import candidate_stats, mean_sd
-from rlengine.tune.stage1 import curve_overrides
+from rlengine.tune.ladder import probe_window, run_ladder, window_point
+from rlengine.tune.stage1 import curve_overrides, lr_scale
 from rlengine.tune.types import (CandidateStats, EngineFacts, GenPoint, GenSweep, RunCurve, RunPlan, Stage1Result,
                                  Stage2Result, TuneSpec)
 
@@ -48,26 +49,6 @@ def kv_limit(facts: EngineFacts, kv_bytes: int = 0) -> tuple[int, str, int]:
     return blocks // per_seq, f"CPU KV budget {CPU_KV_BYTES} B: {blocks} blocks, {per_seq} per sequence", 0
 
 
-def window_point(curve: RunCurve, b_gen: int, skip: int, updates: int) -> GenPoint:
-    """q over updates skip+1 .. updates of a run (all of its updates when it stopped before skip+1)."""
-    end = min(updates, len(curve.update_t))
-    lo = skip if end > skip else 0
-    t = curve.update_t[end - 1] - (curve.update_t[lo - 1] if lo else 0.0)
-    t_gen = sum(curve.update_t_gen[lo:end])
-    responses = (end - lo) * curve.b_train
-    return GenPoint(b_gen=b_gen, q=responses / t, q_gen=responses / t_gen if t_gen > 0 else 0.0,
-                    lag_mean=sum(curve.policy_lag[lo:end]) / (end - lo), source=curve.name)
-
-
-def free_generation_bound(curve: RunCurve, skip: int, updates: int) -> float:
-    """q if generation cost nothing: responses / t_train over the same window as window_point."""
-    end = min(updates, len(curve.update_t))
-    lo = skip if end > skip else 0
-    dts = [b - a for a, b in zip((0.0,) + curve.update_t[:-1], curve.update_t)]
-    t_train = sum(dts[i] - curve.update_t_gen[i] for i in range(lo, end))
-    return (end - lo) * curve.b_train / t_train if t_train > 0 else math.inf
-
-
 def ladder(spec: TuneSpec, b_train: int, group: int) -> list[int]:
     """B_gen values to try for b_train, ascending, starting at b_train, multiples of G."""
     if spec.explicit_b_gen:
@@ -77,49 +58,37 @@ def ladder(spec: TuneSpec, b_train: int, group: int) -> list[int]:
     return sorted(values | {b_train})
 
 
+def capped_ladder(spec: TuneSpec, b_train: int, group: int, b_kv: int) -> tuple[list[int], bool]:
+    """The ladder with rungs past B_KV replaced by one rung at B_KV rounded down to G; (values, capped)."""
+    values = ladder(spec, b_train, group)
+    if not b_kv or values[-1] <= b_kv:
+        return values, False
+    kept = [v for v in values if v <= b_kv]
+    top = b_kv // group * group
+    return (kept + [top] if top > kept[-1] else kept), True
+
+
 def sweep_candidate(spec: TuneSpec, cand: CandidateStats, first: RunCurve, runner: Runner, *, b_kv: int,
-                    b_kv_source: str, kv_blocks: int) -> GenSweep:
-    """The B_gen ladder of one candidate, every point a probe run of the seed of `first` (its stage-1
-    run), the B_gen = B_train one included: the points of one ladder run minutes apart, so a
-    change in the machine's load between stage 1 and stage 2 does not enter their ratios."""
+                    b_kv_source: str, kv_blocks: int, scale: float = 1.0) -> GenSweep:
+    """The B_gen ladder of one candidate (ladder.run_ladder), every probe on the seed of `first` (its
+    stage-1 run), the B_gen = B_train rung included: the points of one ladder run minutes apart, so
+    a change in the machine's load between stage 1 and stage 2 does not enter their ratios."""
     group = int(spec.job["train"]["group_size"])
-    skip, updates = spec.probe_skip, spec.probe_updates
-    points, plateau, reason = [], False, "ladder end"
-    for b_gen in ladder(spec, cand.b_train, group):
-        if b_kv and b_gen > b_kv:
-            capped = b_kv // group * group
-            reason = "B_KV"
-            if not points or capped <= points[-1].b_gen:
-                break
-            b_gen = capped
-        plan = RunPlan(name=f"p-b{cand.b_train}-g{b_gen}-s{first.seed}", stage="probe",
+    values, capped = capped_ladder(spec, cand.b_train, group, b_kv)
+
+    def plan(b_gen: int, rep: int) -> RunPlan:
+        return RunPlan(name=f"p-b{cand.b_train}-g{b_gen}-s{first.seed}-r{rep}", stage="probe",
                        label=f"{cand.b_train} gen {b_gen}", seed=first.seed, target_j=None,
-                       overrides=_probe_overrides(spec, cand.b_train, b_gen, kv_blocks))
-        curve = runner(plan)
-        if curve is None:
-            reason = "budget"
-            break
-        point = window_point(curve, b_gen, skip, updates)
-        if not points:
-            points.append(point)
-            continue
-        best = max(p.q for p in points)
-        points.append(point)
-        if reason == "B_KV":  # the last feasible B_gen, whatever q did there
-            plateau = point.q < (1 + spec.plateau_delta) * best
-            break
-        if point.q < (1 + spec.plateau_delta) * best:
-            plateau, reason = True, "plateau"
-            break
-    crit = (int(critical_generation_batch([p.b_gen for p in points], [p.q for p in points], spec.plateau_delta))
-            if len({p.b_gen for p in points}) >= 2 else cand.b_train)
-    return GenSweep(b_train=cand.b_train, label=cand.label, points=tuple(points), b_kv=b_kv, b_kv_source=b_kv_source,
-                    critical_b_gen=crit, plateau=plateau, stop_reason=reason)
+                       overrides=_probe_overrides(spec, cand.b_train, b_gen, kv_blocks, scale))
+
+    return run_ladder(values, plan, runner, b_train=cand.b_train, label=cand.label, delta=spec.plateau_delta,
+                      window_for=lambda g: probe_window(g, cand.b_train, spec.probe_skip, spec.probe_updates),
+                      b_kv=b_kv, b_kv_source=b_kv_source, capped=capped)
 
 
-def _probe_overrides(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int) -> tuple:
-    over = dict(curve_overrides(spec, b_train, b_gen=b_gen, num_kv_blocks=kv_blocks))
-    over["train.updates"] = spec.probe_updates
+def _probe_overrides(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int, scale: float = 1.0) -> tuple:
+    over = dict(curve_overrides(spec, b_train, b_gen=b_gen, num_kv_blocks=kv_blocks, lr_scale=scale))
+    over["train.updates"] = probe_window(b_gen, b_train, spec.probe_skip, spec.probe_updates)[1]
     return tuple(over.items())
 
 
@@ -149,7 +118,7 @@ def run_stage2(spec: TuneSpec, s1: Stage1Result, runner: Runner, notes: list[str
             sweeps.append(GenSweep(b_train=cand.b_train, label=cand.label, points=(), b_kv=b_kv, b_kv_source=source,
                                    critical_b_gen=cand.b_train, plateau=False, stop_reason="B_train > B_KV"))
             continue
-        bound = free_generation_bound(first, skip, updates) / n_star_mean(cand)
+        bound = coupled[cand.label].q_free / n_star_mean(cand)
         if cand.label != best_label and bound <= best_score:
             reason = (f"pruned: even with free generation q/N* <= {bound:.4g} does not beat {best_label} "
                       f"({best_score:.4g})")
@@ -158,7 +127,7 @@ def run_stage2(spec: TuneSpec, s1: Stage1Result, runner: Runner, notes: list[str
                                    stop_reason=reason))
             continue
         sweeps.append(sweep_candidate(spec, cand, first, runner, b_kv=b_kv, b_kv_source=source,
-                                      kv_blocks=kv_blocks))
+                                      kv_blocks=kv_blocks, scale=lr_scale(s1, cand.b_train)))
     for sw in sweeps:
         if sw.stop_reason == "budget":
             notes.append(f"stage 2: {sw.label}: B_gen ladder stopped after {len(sw.points)} point(s) "
@@ -166,6 +135,11 @@ def run_stage2(spec: TuneSpec, s1: Stage1Result, runner: Runner, notes: list[str
         if sw.stop_reason in ("ladder end", "B_KV") and sw.points:
             notes.append(f"stage 2: {sw.label}: no q plateau within the ladder (stopped at {sw.stop_reason}, "
                          f"B_gen {sw.points[-1].b_gen})")
+        if sw.verdict == "inconclusive":
+            crit = next(p for p in sw.points if p.b_gen == sw.critical_b_gen)
+            notes.append(f"stage 2: {sw.label}: the gain at B_gen {sw.critical_b_gen} ({crit.q / sw.points[0].q - 1:+.0%})"
+                         f" is under twice its probes' repeat spread "
+                         f"({max(crit.spread, sw.points[0].spread):.0%}): inconclusive, not a plateau")
     stats, curves = _recheck(spec, s1, sweeps, survivors, best_score, runner, kv_blocks, notes)
     return Stage2Result(sweeps=tuple(sweeps), rechecks=tuple(stats), recheck_curves=tuple(curves), b_kv=b_kv,
                         kv_blocks=kv_blocks)
@@ -200,7 +174,7 @@ def _recheck(spec, s1, sweeps, survivors, best_score, runner, kv_blocks, notes
                            label=f"{sw.b_train} gen {sw.critical_b_gen}", seed=seed,
                            target_j=spec.target_j if spec.stop_at_target else None,
                            overrides=curve_overrides(spec, sw.b_train, b_gen=sw.critical_b_gen,
-                                                     num_kv_blocks=kv_blocks))
+                                                     num_kv_blocks=kv_blocks, lr_scale=lr_scale(s1, sw.b_train)))
             curve = runner(plan)
             if curve is None:
                 notes.append(f"re-check: {plan.label} seed {seed} not run (time budget spent)")

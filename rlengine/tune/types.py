@@ -39,6 +39,9 @@ class TuneSpec:
     budget_s: float = 0.0                # stop starting runs after this many seconds; 0 = no limit
     clock: str = "auto"                  # t_gen / t_train as wall | cpu (process CPU time) seconds;
                                          # auto = cpu when the job runs on the CPU, else wall
+    threads: int = 1                     # torch threads every run uses (fixed, recorded)
+    retune_eps: float = 0.1              # stage 1: retune the LR of a candidate with r_N > 1 + eps
+    retune: bool = True                  # run the LR bracket x{1/sqrt2, sqrt2} for such candidates
 
     def __post_init__(self):
         if not 0 < self.target_j:
@@ -53,6 +56,10 @@ class TuneSpec:
             raise ValueError(f"probe_updates ({self.probe_updates}) must exceed probe_skip ({self.probe_skip})")
         if self.clock not in ("auto", "wall", "cpu"):
             raise ValueError(f"clock must be auto|wall|cpu, got {self.clock!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.retune_eps < 0:
+            raise ValueError(f"retune_eps must be >= 0, got {self.retune_eps}")
         if self.recheck < 0 or self.confirm_seeds < 0 or self.kv_bytes < 0 or self.budget_s < 0:
             raise ValueError("recheck, confirm_seeds, kv_bytes and budget_s must be >= 0")
         train = self.job.get("train", {})
@@ -112,14 +119,20 @@ class RunCurve:
     clock: str = "wall"                  # what t_gen / t_train (and so T and q) measure: wall | cpu seconds
     load: tuple[float, ...] = ()         # 1-minute load average at start and end (noise context)
     engine: EngineFacts | None = None    # the rollout engine's KV capacity (None when read from a user's run)
+    threads: int = 0                     # torch threads the run used (0 when unknown)
+    max_lag: int = 1                     # gen.max_lag the run used
+    update_b_act: tuple[float, ...] = ()     # [U] mean sequences per decode step of each update's rollout
+    update_gen_tokens: tuple[float, ...] = ()  # [U] tokens decoded for each update
+    update_resp_len: tuple[float, ...] = ()  # [U] mean response length of the trained responses
+    update_stale: tuple[tuple[int, int], ...] = ()  # [U] (requests aborted in flight, groups dropped) for lag
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TargetHit:
-    """Where one run reached J* (all None when it did not within its budget)."""
+    """Where one run reached J* (all None when it did not within its budget: censored, N* > N_max)."""
 
     reached: bool
-    n_star: float | None                 # N*, interpolated between evaluations
+    n_star: float | None                 # N* where the monotone (isotonic) fit of J crosses J*
     t_star: float | None                 # T: the run's clock at N*
     k_star: float | None                 # K* = N* / B_train (updates, fractional)
 
@@ -139,6 +152,7 @@ class CandidateStats:
     n_budget: float                      # largest N any seed ran (the budget when J* is missed)
     grad_norm: tuple[float, ...]         # [K] mean actor grad norm per seed over the common window
     q_run: tuple[float, ...]             # [K] N/T over each whole run
+    retuned: str = ""                    # "" or how the LR bracket chose this candidate's LR
 
     @property
     def reached(self) -> int:
@@ -161,6 +175,7 @@ class Stage1Result:
     candidates: tuple[CandidateStats, ...]
     curves: tuple[RunCurve, ...]
     grad_window: float                   # grad norms averaged over updates with N <= this
+    lr_scales: tuple[tuple[int, float], ...] = ()  # (B_train, LR factor the retune kept) where not x1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -168,10 +183,20 @@ class GenPoint:
     """End-to-end throughput at one B_gen, measured over the same update window."""
 
     b_gen: int
-    q: float                             # responses / s over the window (t_gen + t_train)
+    q: float                             # responses / s over the window (t_gen + t_train), mean of the repeats
     q_gen: float                         # responses / s of generation alone
     lag_mean: float                      # mean policy lag of the window's responses
-    source: str                          # run name the window came from
+    source: str                          # run name(s) the window came from
+    q_reps: tuple[float, ...] = ()       # q of each repeated probe, in the order they ran
+    spread: float = 0.0                  # (max - min) / mean of q_reps
+    max_lag: int = 1                     # gen.max_lag the probes ran with (the lag B_gen implies)
+    q_free: float = 0.0                  # q if generation cost nothing: responses / t_train
+    gen_share: float = 0.0               # t_gen / (t_gen + t_train)
+    b_act: float = 0.0                   # mean sequences per decode step
+    decode_steps: float = 0.0            # decode steps per rollout (gen tokens / B_act, per update)
+    resp_len: float = 0.0                # mean response length (tokens)
+    stale_aborted: int = 0               # requests aborted in flight for lag, over the window
+    stale_dropped: int = 0               # finished groups dropped for lag, over the window
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,8 +209,9 @@ class GenSweep:
     b_kv: int                            # KV feasibility limit in sequences (0 = none known)
     b_kv_source: str
     critical_b_gen: int                  # smallest B_gen with q >= (1 - delta) * max q
-    plateau: bool                        # the ladder stopped because q stopped rising by delta
+    plateau: bool                        # two successive points fell below (1 - delta) q_max
     stop_reason: str                     # plateau | B_KV | ladder end | budget | pruned: ...
+    verdict: str = ""                    # gain | inconclusive (gain < 2x the repeat spread) | no gain
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,6 +250,11 @@ class TableRow:
     t_norm: float | None                 # T / T_ref, over the same seeds as r_n
     wins: bool | None                    # q/q_ref > r_N
     eligible: bool                       # may be chosen: every seed reached J* and it is not a control
+    r_n_ci: dict | None = None           # stats.Interval of N*_s / N*_ref,s over seeds both reached
+    q_ci: dict | None = None             # the same for q_s / q_ref,s
+    t_ci: dict | None = None             # the same for T_s / T_ref,s
+    censored: int = 0                    # seeds that missed J* (N* > N_max, recorded at the budget)
+    why: str = ""                        # why the row was not chosen (pruned, lost, censored, ...)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -237,6 +268,7 @@ class Confirmation:
     t_default: tuple[float | None, ...]
     ratio: tuple[float, ...]             # per seed T_chosen / T_default, where both reached
     ratio_of_means: float | None
+    interval: dict | None = None         # stats.Interval of the per-seed ratios (paired log ratios) as a dict
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -253,6 +285,8 @@ class TuneResult:
     confirm_curves: tuple[RunCurve, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)   # not reached, no plateau, budget, pruning
     wall_s: float = 0.0
+    header: dict = field(default_factory=dict)  # threads, load, clock, host: the conditions of the run
+    chosen_lr: float = 0.0               # the LR the chosen configuration ran with
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -109,10 +109,13 @@ def test_synthetic_tune_matches_hand_computation(tmp_path):
         assert rows[f"{b}"].k_star == pytest.approx(n / b)
     n_fixed, _ = t_star(512, scale_mult=2.0)
     assert rows["512 fixed"].r_n == pytest.approx(n_fixed / n128) and not rows["512 fixed"].eligible
-    # stage 2: q doubles generation speed at B_gen = 2 B_train and stays flat at 4 B_train -> plateau, critical 2x
+    # stage 2: q doubles generation speed at B_gen = 2 B_train and stays flat after: no two points fall
+    # below (1 - delta) q_max, so the ladder runs to its end (8 x B_train); critical 2x
     sweeps = {sw.b_train: sw for sw in result.stage2.sweeps}
-    assert all(sw.stop_reason in ("plateau",) or sw.stop_reason.startswith("pruned") for sw in sweeps.values())
-    probed = [sw for sw in sweeps.values() if sw.stop_reason == "plateau"]
+    assert all(sw.stop_reason == "ladder end" or sw.stop_reason.startswith("pruned") for sw in sweeps.values())
+    probed = [sw for sw in sweeps.values() if sw.stop_reason == "ladder end"]
+    assert all([p.b_gen for p in sw.points] == [sw.b_train * m for m in (1, 2, 4, 8)] for sw in probed)
+    assert all(len(p.q_reps) == 2 and p.spread == 0 and sw.verdict == "gain" for sw in probed for p in sw.points)
     assert probed and all(sw.critical_b_gen == 2 * sw.b_train for sw in probed)
     # the window q of a probe is the closed form: B / (t_gen + t_train)
     sw = probed[0]

@@ -1,0 +1,97 @@
+"""Stage 1's LR retune ("retune as needed", Algorithm 1 of docs/METHOD.md): a small bracket around the sqrt rule.
+
+A candidate whose samples-to-target penalty r_N (paired over seeds against the reference,
+censored seeds at their budget, so it is a lower bound when any missed) exceeds 1 + eps is run
+again at eta x 1/sqrt2 and eta x sqrt2 on every seed. The bracket member with the smallest
+censored mean N* is kept under the candidate's own label (stage1), stated as retuned; the others
+stay in the table as "B lr xF" rows of stage "retune" (never chosen). The reference is not retuned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+from rlengine.tune.curves import candidate_stats
+from rlengine.tune.types import CandidateStats, RunCurve, RunPlan, TuneSpec
+
+Runner = Callable[[RunPlan], "RunCurve | None"]
+BRACKET = (1 / math.sqrt(2), math.sqrt(2))   # with the rule's own x1, the bracket x{1/sqrt2, 1, sqrt2}
+
+
+def censored_mean_n(c: CandidateStats) -> float:
+    """Mean N* over every seed with a miss counted at the budget (N* > N_max censored the same way everywhere)."""
+    return sum(h.n_star if h.reached else c.n_budget for h in c.hits) / len(c.hits)
+
+
+def censored_r_n(c: CandidateStats, ref: CandidateStats) -> float | None:
+    """Geometric-mean r_N over the seeds where the reference reached J*, c's misses at its budget
+    (a lower bound then); None when the reference reached on no seed of c."""
+    ref_n = {s: h.n_star for s, h in zip(ref.seeds, ref.hits) if h.reached}
+    logs = [math.log((h.n_star if h.reached else c.n_budget) / ref_n[s]) for s, h in zip(c.seeds, c.hits)
+            if s in ref_n]
+    return math.exp(sum(logs) / len(logs)) if logs else None
+
+
+def needs_retune(cands: Sequence[CandidateStats], reference: str, eps: float) -> list[CandidateStats]:
+    """The sqrt-rule candidates (not the reference) with censored r_N > 1 + eps."""
+    ref = next((c for c in cands if c.label == reference), None)
+    if ref is None:
+        return []
+    out = []
+    for c in cands:
+        if c.stage != "stage1" or c.label == reference:
+            continue
+        r = censored_r_n(c, ref)
+        if r is not None and r > 1 + eps:
+            out.append(c)
+    return out
+
+
+def _scale_label(f: float) -> str:
+    return {1.0: "x1"}.get(round(f, 6), "x1/sqrt2" if f < 1 else "xsqrt2")
+
+
+def retune(spec: TuneSpec, cands: list[CandidateStats], curves: list[RunCurve], reference: str, window: float,
+           plan_for: Callable[[int, int, float], RunPlan], runner: Runner, notes: list[str]
+           ) -> tuple[list[CandidateStats], list[RunCurve], dict[int, float]]:
+    """Run the bracket for every candidate that needs it; returns (candidates, curves, {B_train: LR scale kept})."""
+    scales: dict[int, float] = {}
+    for cand in needs_retune(cands, reference, spec.retune_eps):
+        members = {1.0: (cand, [c for c in curves if c.label == cand.label])}
+        for f in BRACKET:
+            runs = []
+            for seed in cand.seeds:
+                curve = runner(plan_for(cand.b_train, seed, f))
+                if curve is None:
+                    notes.append(f"retune: {cand.label} {_scale_label(f)} seed {seed} not run (time budget spent)")
+                    continue
+                runs.append(curve)
+            if len(runs) == len(cand.seeds):
+                members[f] = (candidate_stats(runs, spec.target_j, window), runs)
+        best = min(members, key=lambda f: censored_mean_n(members[f][0]))
+        scales[cand.b_train] = best
+        summary = ", ".join(f"{_scale_label(f)}: N* {censored_mean_n(m[0]):.0f} ({m[0].reached}/{len(m[0].hits)})"
+                            for f, m in sorted(members.items()))
+        text = f"retuned: eta {_scale_label(best)} kept" if best != 1.0 else "bracket run: the sqrt-rule eta kept"
+        notes.append(f"stage 1: {cand.label}: r_N > 1 + {spec.retune_eps}; {text} (censored mean N* {summary})")
+        cands, curves = _swap(cands, curves, cand, members, best, text)
+    return cands, curves, scales
+
+
+def _swap(cands, curves, cand, members, best, text):
+    """The kept bracket member takes the candidate's label and stage; the others become retune rows."""
+    out_c = [c for c in cands if c.label != cand.label]
+    out_r = [c for c in curves if c.label != cand.label]
+    for f, (stats, runs) in sorted(members.items()):
+        if f == best:
+            out_c.append(dataclasses.replace(stats, label=cand.label, stage="stage1", retuned=text))
+            out_r += [dataclasses.replace(r, label=cand.label, stage="stage1") for r in runs]
+        else:
+            lab = f"{cand.b_train} lr {_scale_label(f)}"
+            out_c.append(dataclasses.replace(stats, label=lab, stage="retune"))
+            out_r += [dataclasses.replace(r, label=lab, stage="retune") for r in runs]
+    order = {c.label: i for i, c in enumerate(cands)}
+    out_c.sort(key=lambda c: (order.get(c.label, len(order)), c.label))
+    return out_c, out_r

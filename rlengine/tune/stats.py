@@ -1,0 +1,91 @@
+"""The statistics `rlengine tune` reports with: paired log-ratio intervals, the smallest resolvable effect,
+the monotone (isotonic) fit of J against N and its J* crossing, and censoring of seeds that miss J*.
+
+    paired_log_ratio([12, 9, 10], [10, 10, 10])   # -> Interval: geometric mean ratio, 95% t-interval
+    isotonic([0.1, 0.3, 0.2, 0.5])                # -> [0.1, 0.25, 0.25, 0.5] (pool adjacent violators)
+    monotone_crossing(n, j, 0.6)                  # N* on the isotonic fit, linear between evaluations
+Intervals are over seeds: for paired runs a, b on the same seeds, d_s = log(a_s / b_s); the interval
+is exp(mean(d) +- t_{0.975, K-1} * sd(d) / sqrt(K)). Ratios are scale-free, so logs make them
+symmetric (0.8 and 1.25 are the same size of effect). The tune modules call these; no runs start here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from rlengine.analysis.isotonic import isotonic, monotone_crossing
+
+__all__ = ["Interval", "censored_n", "isotonic", "log_interval", "monotone_crossing", "paired_log_ratio",
+           "repeat_spread", "t975"]
+
+# two-sided 95% Student t quantiles t_{0.975, df}, df = 1..30 (standard table values)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """t_{0.975, df}; beyond the table the normal quantile with the first Cornish-Fisher term."""
+    if df < 1:
+        raise ValueError(f"t975 needs df >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Interval:
+    """A ratio with its 95% interval over K paired seeds (lo = hi = None with one seed)."""
+
+    ratio: float                 # exp(mean of per-seed log ratios): the geometric mean ratio
+    lo: float | None
+    hi: float | None
+    k: int                       # seeds in the pairing
+    sd_log: float | None         # sample sd of the per-seed log ratios
+    resolvable: float | None     # smallest effect the interval can tell from none: exp(half-width) - 1
+
+    def text(self, fmt: str = "{:.2f}") -> str:
+        if self.lo is None:
+            return f"{fmt.format(self.ratio)} (1 seed, no interval)"
+        return f"{fmt.format(self.ratio)} [{fmt.format(self.lo)}, {fmt.format(self.hi)}]"
+
+
+def paired_log_ratio(a: Sequence[float], b: Sequence[float]) -> Interval | None:
+    """a_s / b_s over paired seeds (same order): geometric mean and 95% t-interval; None when empty."""
+    if len(a) != len(b):
+        raise ValueError(f"paired_log_ratio: {len(a)} values against {len(b)}; pair them seed by seed")
+    if any(x <= 0 for x in list(a) + list(b)):
+        raise ValueError(f"paired_log_ratio needs positive values, got {list(a)}, {list(b)}")
+    d = [math.log(x / y) for x, y in zip(a, b)]
+    return log_interval(d)
+
+
+def log_interval(d: Sequence[float]) -> Interval | None:
+    """The Interval of per-seed log ratios d."""
+    k = len(d)
+    if k == 0:
+        return None
+    m = sum(d) / k
+    if k == 1:
+        return Interval(ratio=math.exp(m), lo=None, hi=None, k=1, sd_log=None, resolvable=None)
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / (k - 1))
+    half = t975(k - 1) * sd / math.sqrt(k)
+    return Interval(ratio=math.exp(m), lo=math.exp(m - half), hi=math.exp(m + half), k=k, sd_log=sd,
+                    resolvable=math.exp(half) - 1)
+
+
+def censored_n(hits: Sequence[float | None], budgets: Sequence[float]) -> list[tuple[float, bool]]:
+    """(N*, reached) per seed with a miss censored at its budget: N* > N_max is recorded as N_max
+    with reached False, so every ratio that uses it is a bound in one direction (never dropped)."""
+    return [(h, True) if h is not None else (float(b), False) for h, b in zip(hits, budgets)]
+
+
+def repeat_spread(values: Sequence[float]) -> float:
+    """Relative spread of repeated probes of one point: (max - min) / mean (0 with one value)."""
+    if not values:
+        raise ValueError("repeat_spread: no values")
+    m = sum(values) / len(values)
+    return (max(values) - min(values)) / m if len(values) > 1 and m > 0 else 0.0

@@ -1,0 +1,226 @@
+"""rlengine.tune's statistics and rules against hand-computed values: paired log-ratio intervals, the
+isotonic J* crossing, censoring, the B_gen ladder's order and stopping rule, inconclusive gains, the
+implied policy lag, the LR retune bracket, `--predict` (Eq. 5) and the refused `--b-gen` values.
+Synthetic curves only (no training): each test runs in well under a second.
+"""
+
+import json
+import math
+import tomllib
+
+import pytest
+
+from rlengine.cli import build_parser, main
+from rlengine.config import preset
+from rlengine.tune import TuneSpec, tune
+from rlengine.tune.ladder import implied_max_lag, probe_order, probe_window, run_ladder, stop_after
+from rlengine.tune.predict import predict_knee
+from rlengine.tune.retune import censored_mean_n, censored_r_n
+from rlengine.tune.runner import plan_config
+from rlengine.tune.stats import isotonic, monotone_crossing, paired_log_ratio, t975
+from rlengine.tune.types import CandidateStats, RunCurve, RunPlan, TargetHit
+from tests.tune.test_tune import JOB, TARGET, spec, synthetic_runner
+
+
+def test_paired_log_ratio_interval_by_hand():
+    ci = paired_log_ratio([12.0, 9.0, 10.0], [10.0, 10.0, 10.0])
+    d = [math.log(1.2), math.log(0.9), 0.0]                      # 0.18232, -0.10536, 0
+    m = sum(d) / 3                                                # 0.025654
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / 2)              # 0.14555
+    half = 4.303 * sd / math.sqrt(3)                              # t_{0.975, 2} = 4.303
+    assert ci.ratio == pytest.approx(math.exp(m)) and ci.ratio == pytest.approx(1.02599, abs=1e-5)
+    assert (ci.lo, ci.hi) == pytest.approx((math.exp(m - half), math.exp(m + half)))
+    assert (ci.lo, ci.hi) == pytest.approx((0.7147, 1.4729), abs=2e-4)
+    assert ci.resolvable == pytest.approx(math.exp(half) - 1) and ci.k == 3
+    # log ratios make it symmetric: swapping a and b inverts every bound
+    inv = paired_log_ratio([10.0, 10.0, 10.0], [12.0, 9.0, 10.0])
+    assert (inv.lo, inv.hi) == pytest.approx((1 / ci.hi, 1 / ci.lo))
+    one = paired_log_ratio([2.0], [1.0])
+    assert one.ratio == 2.0 and one.lo is None and one.resolvable is None
+    assert t975(1) == 12.706 and t975(30) == 2.042 and 1.96 < t975(200) < 1.975
+    with pytest.raises(ValueError, match="pair"):
+        paired_log_ratio([1.0, 2.0], [1.0])
+
+
+def test_isotonic_pool_adjacent_violators_and_monotone_crossing():
+    assert isotonic([0.1, 0.3, 0.2, 0.5]) == pytest.approx([0.1, 0.25, 0.25, 0.5])
+    assert isotonic([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert isotonic([1.0, 0.0], w=[3.0, 1.0]) == pytest.approx([0.75, 0.75])
+    n, j = [0, 10, 20, 30], [0.1, 0.7, 0.5, 0.9]
+    # fit [0.1, 0.6, 0.6, 0.9]: J* = 0.6 is met at N = 10 (the raw first crossing, 8.33, lands early)
+    assert monotone_crossing(n, j, 0.6) == pytest.approx(10.0)
+    assert monotone_crossing(n, j, 0.65) == pytest.approx(20 + 0.05 / 0.3 * 10)
+    # one lucky evaluation above J* that the fit pools away is not a crossing: censored
+    assert monotone_crossing([0, 10, 20], [0.1, 0.62, 0.5], 0.6) is None
+    assert monotone_crossing([0, 10], [0.7, 0.8], 0.6) == 0.0
+
+
+def _cand(label, b, ns, budget=50000.0, stage="stage1"):
+    hits = tuple(TargetHit(reached=n is not None, n_star=n, t_star=n and n / 100, k_star=n and n / b) for n in ns)
+    return CandidateStats(label=label, stage=stage, b_train=b, b_gen=b, lr=1e-3, lr_rule="sqrt",
+                          seeds=tuple(range(len(ns))), hits=hits, n_budget=budget, grad_norm=(1.0,) * len(ns),
+                          q_run=(1.0,) * len(ns))
+
+
+def test_censoring_is_the_same_everywhere():
+    from rlengine.tune.table import build_rows
+
+    ref, big = _cand("128", 128, (10000, 20000, 40000)), _cand("512", 512, (15000, None, 60000))
+    # the miss counts at the budget 50000, in the retune trigger and in the table's lower bound alike
+    assert censored_mean_n(big) == pytest.approx((15000 + 50000 + 60000) / 3)
+    assert censored_r_n(big, ref) == pytest.approx((1.5 * 2.5 * 1.5) ** (1 / 3))
+    rows = {r.label: r for r in build_rows([ref, big], "128")}
+    assert rows["512"].r_n_lower == pytest.approx((15000 + 50000 + 60000) / 70000)
+    assert rows["512"].censored == 1 and rows["512"].why.startswith("censored: 1/3")
+    assert rows["512"].r_n_ci["k"] == 2                 # intervals pair only seeds both reached
+    assert rows["512"].r_n_ci["ratio"] == pytest.approx(1.5)
+
+
+def test_probe_order_interleaves_neighbours():
+    assert probe_order(4) == [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (3, 0), (2, 1), (3, 1)]
+    assert probe_order(1) == [(0, 0), (0, 1)]
+
+
+def _fake_probe(q_of):
+    """A runner whose probe at B_gen g, repeat r has q = q_of(g, r): t_gen + t_train per update = B_train / q."""
+    calls = []
+
+    def run(plan):
+        g, rep = plan.label, int(plan.name.rsplit("r", 1)[1])
+        calls.append((g, rep))
+        dt = 32 / q_of(g, rep)
+        u = 6
+        return RunCurve(name=plan.name, label="x", stage="probe", seed=0, b_train=32, b_gen=g, lr=1e-3,
+                        lr_rule="sqrt", eval_n=(0.0,), eval_j=(0.0,), eval_t=(0.0,),
+                        update_n=tuple(32.0 * i for i in range(1, u + 1)),
+                        update_t=tuple(dt * i for i in range(1, u + 1)), update_t_gen=(dt / 2,) * u,
+                        grad_norm=(1.0,) * u, policy_lag=(0.0,) * u, stopped_at_target=False)
+    return run, calls
+
+
+def _ladder(values, q_of, delta=0.1):
+    run, calls = _fake_probe(q_of)
+    sw = run_ladder(values, lambda g, r: RunPlan(name=f"p-g{g}-r{r}", stage="probe", label=g, seed=0,
+                                                 overrides=(), target_j=None),
+                    run, b_train=32, label="32", delta=delta, window_for=lambda g: (1, 6), b_kv=0,
+                    b_kv_source="", capped=False)
+    return sw, calls
+
+
+def test_ladder_stops_after_two_points_below_the_bar():
+    q = {32: 100, 64: 200, 128: 300, 256: 250, 512: 200, 1024: 100, 2048: 50}
+    sw, calls = _ladder(list(q), lambda g, r: q[g])
+    # bar 0.9 * 300 = 270: 256 and 512 fall below -> stop; 1024, already started, gets its second probe
+    assert sw.stop_reason == "plateau" and sw.critical_b_gen == 128
+    assert [p.b_gen for p in sw.points] == [32, 64, 128, 256, 512, 1024]
+    assert calls == [(32, 0), (64, 0), (32, 1), (128, 0), (64, 1), (256, 0), (128, 1), (512, 0), (256, 1),
+                     (1024, 0), (512, 1), (1024, 1)]
+    assert all(len(p.q_reps) == 2 for p in sw.points)
+    # one dip is not a stop (the old first-non-gain rule stopped at 128 here)
+    q2 = {32: 100, 64: 200, 128: 150, 256: 300, 512: 300}
+    sw2, _ = _ladder(list(q2), lambda g, r: q2[g])
+    assert sw2.stop_reason == "ladder end" and sw2.critical_b_gen == 256
+    assert stop_after([100, 300, 260, 265], 0.1) and not stop_after([100, 300, 260, 280], 0.1)
+
+
+def test_gain_within_twice_the_repeat_spread_is_inconclusive():
+    reps = {32: (100, 120), 64: (115, 125)}
+    sw, _ = _ladder([32, 64], lambda g, r: reps[g][r])
+    p0, p1 = sw.points
+    assert p0.spread == pytest.approx(20 / 110) and p1.spread == pytest.approx(10 / 120)
+    # 110 >= 0.9 x 120: the rule's critical B_gen is the coupled one, but the best point's gain
+    # 120 / 110 - 1 = 9% is under 2 x 18%: inconclusive, not a plateau
+    assert sw.critical_b_gen == 32 and sw.verdict == "inconclusive" and not sw.plateau
+    # a critical point above coupled whose gain (155 / 120 - 1 = 29%) is under 2 x 33%: inconclusive too
+    sw1, _ = _ladder([32, 64], lambda g, r: {32: (100, 140), 64: (150, 160)}[g][r])
+    assert sw1.critical_b_gen == 64 and sw1.verdict == "inconclusive"
+    sw2, _ = _ladder([32, 64], lambda g, r: {32: (100, 102), 64: (150, 152)}[g][r])
+    assert sw2.verdict == "gain" and sw2.critical_b_gen == 64
+    sw3, _ = _ladder([32, 64], lambda g, r: {32: (100, 101), 64: (104, 105)}[g][r])
+    assert sw3.verdict == "no gain" and sw3.critical_b_gen == 32            # a real, quiet plateau
+
+
+def test_implied_lag_is_set_on_async_probes_and_the_window_skips_the_fill(tmp_path):
+    assert implied_max_lag(32, 32) == 2 and implied_max_lag(128, 32) == 5 and implied_max_lag(100, 32) == 5
+    assert probe_window(32, 32, 2, 12) == (2, 12) and probe_window(256, 32, 2, 12) == (8, 18)
+    log = []
+    tune(spec(b_train=(128,), seeds=(0,), fixed_lr=False, confirm_seeds=0), tmp_path,
+         runner=synthetic_runner(log), log=lambda s: None)
+    probes = [dict(p.overrides) for p in log if p.stage == "probe"]
+    for over in probes:
+        if over["gen.b_gen"] > over["train.b_train"]:
+            assert over["gen.max_lag"] == implied_max_lag(over["gen.b_gen"], over["train.b_train"])
+        else:
+            assert "gen.max_lag" not in over               # coupled: the job's own setting
+    assert {o["gen.b_gen"] for o in probes} == {128, 256, 512, 1024}
+
+
+def lr_runner(log):
+    """The synthetic runner, but B_train 512 needs fewer samples at eta x sqrt2 (S 16000 -> 9000)."""
+    inner = synthetic_runner(log)
+
+    def run(plan):
+        curve = inner(plan)
+        cfg = plan_config(JOB, plan, "unused")
+        if cfg.train.b_train == 512 and cfg.train.lr_effective > 0.0031 and plan.stage != "control":
+            scale = 9000.0 * (1.1 if cfg.gen.b_gen > 512 else 1.0)
+            import dataclasses
+
+            j = tuple(0.1 + n / scale for n in curve.eval_n)
+            return dataclasses.replace(curve, eval_j=j)
+        return curve
+    return run
+
+
+def test_lr_retune_keeps_the_best_of_the_bracket(tmp_path):
+    s = spec(b_train=(128, 512), fixed_lr=False, confirm_seeds=0, stop_at_target=False)
+    result = tune(s, tmp_path, runner=lr_runner([]), log=lambda x: None)
+    rows = {r.label: r for r in result.rows}
+    assert rows["512"].lr == pytest.approx(1.5e-3 * 2 * math.sqrt(2))          # sqrt rule x sqrt2
+    assert rows["512"].n_star == pytest.approx(0.45 * 9000)
+    assert dict(result.stage1.lr_scales)[512] == pytest.approx(math.sqrt(2))
+    assert "512 lr x1" in rows and not rows["512 lr x1"].eligible
+    assert rows["512 lr x1"].n_star == pytest.approx(0.45 * 16000)
+    assert any("retuned: eta xsqrt2 kept" in n for n in result.notes)
+    # the reference is never retuned; the chosen TOML carries the LR the configuration ran with
+    assert not any(r.label.startswith("128 lr") for r in result.rows)
+    toml = tomllib.loads((tmp_path / "chosen.toml").read_text())
+    chosen = rows[result.chosen]
+    assert toml["train"]["lr"] == pytest.approx(chosen.lr) and toml["train"]["b0"] == 0
+    assert toml["train"]["prompts_per_step"] * toml["train"]["group_size"] == toml["train"]["b_train"]
+
+
+def test_predict_knee_by_hand():
+    """Eq. 5 on the tiny preset (fp32, S = 32) with W = 1e9 B/s, F = 1e10 FLOP/s, written out."""
+    m_w0 = (24640 + 320 + 49152 + 16384) * 4          # attention + norms + MLP + LM head, 4 bytes each
+    per_seq = 64 * 4 + 2 * 2 * 2 * 16 * 33 * 4       # an embedding row + m_u (K and V of 33 tokens, 2 layers)
+    f_tok = 2 * (24576 + 49152 + 16384) + 4 * 2 * 4 * 16 * 32
+    w, f = 1e9, 1e10
+    q_max = f / f_tok                                  # compute-bound at B = 4096
+    bar = 0.9 * q_max
+    # bandwidth-bound q = B W / (M_W0 + B per_seq) >= bar  <=>  B >= bar M_W0 / (W - bar per_seq)
+    want = math.ceil(bar * m_w0 / (w - bar * per_seq))
+    p = predict_knee(preset("tiny"), {"bandwidth_bytes_per_s": w, "flops_per_s": {"float32": f}},
+                     context_len=32, dtype="float32", delta=0.1, b_max=4096)
+    assert want == 78 and p.critical_b == want
+    assert p.flops_per_token == f_tok and p.weight_bytes == m_w0 + 64 * 4
+    assert p.ridge_b == pytest.approx(m_w0 / (f_tok * w / f - per_seq))       # 144.3
+    assert p.q_tok_max == pytest.approx(q_max)
+
+
+def test_cli_refuses_bad_b_gen_and_takes_overrides(tmp_path, capsys):
+    for bad in ("1,2", "128", "64,256"):               # the job's B_train is 128
+        assert main(["tune", "--config", "grpo", "--b-gen", bad, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "<= the job's B_train 128" in err[0]
+    assert not (tmp_path / "x").exists()                 # refused before any run
+    ceil = tmp_path / "ceilings.json"
+    ceil.write_text(json.dumps({"ceilings": {"bandwidth_bytes_per_s": 1e9, "flops_per_s": {"float32": 1e10}}}))
+    assert main(["tune", "--config", "grpo", "--train.lr", "1e-3", "--predict", str(ceil),
+                 "--predict-context", "32"]) == 0
+    assert "critical B_gen 78" in capsys.readouterr().out
+    assert main(["tune", "--config", "grpo", "--train.nope", "1", "--predict", str(ceil)]) == 2
+    args, _ = build_parser().parse_known_args(["tune", "--probe-updates", "7", "--threads", "1"])
+    assert args.probe_updates == 7 and args.threads == 1
+    with pytest.raises(ValueError, match="threads"):
+        TuneSpec(job=JOB, target_j=TARGET, b_train=(128,), threads=0)
