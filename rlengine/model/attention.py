@@ -25,10 +25,13 @@ class AttentionContext(Protocol):
 
 
 def sdpa_causal(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one sequence laid out [T, heads, D]; GQA by head grouping."""
-    o = F.scaled_dot_product_attention(q_THD.transpose(0, 1), k_TKD.transpose(0, 1), v_TKD.transpose(0, 1),
-                                       is_causal=True, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
+    """Causal attention of one sequence laid out [T, heads, D]; GQA by head grouping.
+
+    As a batch of one: SDPA's flash kernels take 4-D inputs only, and 3-D ones fall back to the math
+    path, which keeps the [heads, T, T] fp32 probabilities for the backward (quadratic in T)."""
+    o = F.scaled_dot_product_attention(q_THD.transpose(0, 1)[None], k_TKD.transpose(0, 1)[None],
+                                       v_TKD.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 class DenseCausal:
