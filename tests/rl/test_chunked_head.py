@@ -52,3 +52,35 @@ def test_bad_chunk_is_refused():
     h, w, t, _, _ = _inputs(torch.float32)
     with pytest.raises(ValueError, match="chunk_tokens"):
         chunked_head(h, w, t, raw_head(1.0), chunk_tokens=0)
+
+
+def _peak_bytes(T, chunk, V=151_936, C=64):
+    """Peak heap above entry of one forward + backward at V = Qwen3's vocabulary (fp32, one thread)."""
+    from tests.support.cpu_peak import PeakHeap
+
+    g = torch.Generator().manual_seed(T)
+    h = torch.randn(T, C, generator=g).requires_grad_()
+    w = torch.randn(V, C, generator=g).mul_(0.05).requires_grad_()
+    t = torch.randint(0, V, (T,), generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with PeakHeap() as meter:
+            lp, en = chunked_head(h, w, t, raw_head(1.0), chunk_tokens=chunk)
+            (lp.sum() + en.sum()).backward()
+    finally:
+        torch.set_num_threads(threads)
+    return meter.peak
+
+
+def test_the_peak_grows_with_the_chunk_not_with_T():
+    """At V = 151,936 one [T, V] fp32 block is 0.6 MB per row. With 16-row chunks, T = 64 -> 256 adds
+    192 rows' worth (117 MB) to an unchunked head; the chunked peak may grow by far less (the
+    per-token outputs and h's gradient are ~1 KB per row). A 64-row chunk raises the peak by about
+    48 rows' worth of blocks (a [T_c, V] block, its softmax and its gradient: >= 29 MB each)."""
+    row = 151_936 * 4
+    small_t, big_t, big_chunk = _peak_bytes(64, 16), _peak_bytes(256, 16), _peak_bytes(64, 64)
+    assert big_t - small_t < 20 * row, (small_t, big_t)
+    assert big_chunk - small_t > 48 * row, (small_t, big_chunk)
+    # the negative control: one chunk of all T rows is the unchunked head, and grows with T
+    assert _peak_bytes(256, 256) - _peak_bytes(64, 64) > 192 * row
