@@ -19,7 +19,13 @@ Residual adds, RoPE tables, the temperature division and the gathers are element
 Each op is an autograd Function whose forward is the kernel and whose backward is the ordinary
 derivative (written out, or the plain-torch reference re-run under autograd): only the forward has
 to match the engine. The KV cache then holds exactly what the learner's forward computes.
-MoE blocks run batch_invariant_moe.py (fixed-order routing and slot sums). CPU only.
+Devices: CPU tensors run the C++ ops above; CUDA tensors run the Triton kernels of
+kernels/invariant_matmul.py, invariant_attention.py and invariant_logsumexp.py (same contracts, their
+own fixed orders), and fused_norm.py's rms_norm / qk_norm_rope / silu_and_mul, which are already
+row-invariant (one program per row or per (token, head), a whole-row reduction at a block size set
+by C or D). On CUDA, log / exp are torch's: its elementwise CUDA kernels compute each element with
+the same instruction wherever it sits (no separate vector body and scalar tail), so they need no
+kernel. MoE blocks run batch_invariant_moe.py (fixed-order routing and slot sums) on these ops.
 """
 
 from __future__ import annotations
@@ -38,14 +44,68 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def unsupported_reason(cfg, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why batch-invariant mode cannot run this model here, or None."""
-    if not AVAILABLE:
+    if device.type == "cuda":
+        if not triton_available():
+            return "on CUDA it runs the Triton kernels, and triton is not installed"
+    elif device.type != "cpu":
+        return f"it runs on the CPU (C++ ops) or CUDA (Triton kernels), the model is on {device}"
+    elif not AVAILABLE:
         missing = [op for op in OPS if not _ext.has_op(op)]
         return f"the C++ extension lacks {', '.join(missing)} ({_ext.LOAD_ERROR or 'rebuild it'})"
-    if device.type != "cpu":
-        return f"it runs on the CPU only (the model is on {device})"
     if dtype not in DTYPES:
         return f"dtype {dtype} is not one of float32, bfloat16, float16"
     return None
+
+
+def triton_available() -> bool:
+    from rlengine.kernels._triton import AVAILABLE as triton_ok
+    return triton_ok
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _linear_kernel(x_MK, w_NK, bias_N, fp32_out):
+    if _on_cuda(x_MK):
+        from rlengine.kernels.invariant_matmul import invariant_matmul
+        return invariant_matmul(x_MK, w_NK, bias_N, fp32_out)
+    return torch.ops.rlengine.inv_linear(x_MK, w_NK, bias_N, fp32_out)
+
+
+def _rms_norm_kernel(x, w, eps):
+    if _on_cuda(x):
+        from rlengine.kernels import fused_norm
+        return fused_norm.rms_norm(x, w, eps)
+    return torch.ops.rlengine.rms_norm(x, w, eps)
+
+
+def _qk_norm_rope_kernel(*args):
+    if _on_cuda(args[0]):
+        from rlengine.kernels import fused_norm
+        return fused_norm.qk_norm_rope(*args)
+    return torch.ops.rlengine.qk_norm_rope(*args)
+
+
+def _silu_and_mul_kernel(x):
+    if _on_cuda(x):
+        from rlengine.kernels import fused_norm
+        return fused_norm.silu_and_mul(x)
+    return torch.ops.rlengine.inv_silu_and_mul(x)
+
+
+def _attention_kernel(q_THD, k_TKD, v_TKD, cu_seqlens, scale):
+    if _on_cuda(q_THD):
+        from rlengine.kernels.invariant_attention import invariant_attention_varlen
+        return invariant_attention_varlen(q_THD, k_TKD, v_TKD, cu_seqlens, scale)
+    return torch.ops.rlengine.inv_attention_varlen(q_THD, k_TKD, v_TKD, cu_seqlens, scale)
+
+
+def _logsumexp_kernel(z_NV):
+    if _on_cuda(z_NV):
+        from rlengine.kernels.invariant_logsumexp import invariant_logsumexp
+        return invariant_logsumexp(z_NV)
+    return torch.ops.rlengine.inv_logsumexp(z_NV)
 
 
 class _Linear(torch.autograd.Function):
@@ -53,7 +113,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x_MK, w_NK, bias_N, fp32_out):
         ctx.save_for_backward(x_MK, w_NK)
         ctx.has_bias = bias_N is not None
-        return torch.ops.rlengine.inv_linear(x_MK, w_NK, bias_N, fp32_out)
+        return _linear_kernel(x_MK, w_NK, bias_N, fp32_out)
 
     @staticmethod
     def backward(ctx, g_MN):
@@ -112,7 +172,7 @@ def _apply(kernel, reference, *args):
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return _apply(torch.ops.rlengine.rms_norm, rms_norm_ref, x, w, eps)
+    return _apply(_rms_norm_kernel, rms_norm_ref, x, w, eps)
 
 
 def _qk_norm_rope_ref(qkv_TW, q_w, k_w, cos_sin, positions_T, H, Hkv, eps):
@@ -129,7 +189,7 @@ def _qk_norm_rope_ref(qkv_TW, q_w, k_w, cos_sin, positions_T, H, Hkv, eps):
 
 def qk_norm_rope(qkv_TW, q_w, k_w, cos_sin, positions_T, H: int, Hkv: int, eps: float):
     """(q [T, H, D], k [T, Hkv, D]) from the qkv projection: per-head RMSNorm (when q_w) then RoPE."""
-    return _apply(torch.ops.rlengine.qk_norm_rope, _qk_norm_rope_ref, qkv_TW, q_w, k_w, cos_sin, positions_T,
+    return _apply(_qk_norm_rope_kernel, _qk_norm_rope_ref, qkv_TW, q_w, k_w, cos_sin, positions_T,
                   H, Hkv, eps)
 
 
@@ -139,7 +199,7 @@ def _silu_and_mul_ref(x):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    return _apply(torch.ops.rlengine.inv_silu_and_mul, _silu_and_mul_ref, x)
+    return _apply(_silu_and_mul_kernel, _silu_and_mul_ref, x)
 
 
 def _attention_ref(q_THD, k_TKD, v_TKD, cu_T, scale):
@@ -149,13 +209,13 @@ def _attention_ref(q_THD, k_TKD, v_TKD, cu_T, scale):
 
 def attention_varlen(q_THD, k_TKD, v_TKD, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of sequences packed along T (cu_seqlens int64 [B+1] on the CPU)."""
-    return _apply(torch.ops.rlengine.inv_attention_varlen, _attention_ref, q_THD, k_TKD, v_TKD, cu_seqlens, scale)
+    return _apply(_attention_kernel, _attention_ref, q_THD, k_TKD, v_TKD, cu_seqlens, scale)
 
 
 class _LogSumExp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z_NV):
-        lse_N = torch.ops.rlengine.inv_logsumexp(z_NV)
+        lse_N = _logsumexp_kernel(z_NV)
         ctx.save_for_backward(z_NV, lse_N)
         return lse_N
 
@@ -175,12 +235,12 @@ def logsumexp(z: torch.Tensor) -> torch.Tensor:
 
 def log(x: torch.Tensor) -> torch.Tensor:
     """Elementwise log of fp32 x, the same bits wherever an element sits (no autograd)."""
-    return torch.ops.rlengine.inv_log(x)
+    return torch.log(x) if _on_cuda(x) else torch.ops.rlengine.inv_log(x)
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
     """Elementwise exp of fp32 x, the same bits wherever an element sits (no autograd)."""
-    return torch.ops.rlengine.inv_exp(x)
+    return torch.exp(x) if _on_cuda(x) else torch.ops.rlengine.inv_exp(x)
 
 
 class InvariantCausal:

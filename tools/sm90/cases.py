@@ -38,6 +38,7 @@ HOT = {
     "_rms_norm_kernel": HALF, "_silu_and_mul_kernel": HALF, "_qk_norm_rope_kernel": HALF,
     "_gate_up_kernel": HALF, "_pair_gemm_kernel": HALF,
     "_logprob_fwd_kernel": ALL,
+    "_inv_matmul_kernel": HALF, "_inv_attention_kernel": HALF, "_inv_logsumexp_kernel": ALL,
 }
 
 
@@ -144,6 +145,27 @@ def _logprob(cfg: ModelConfig, dtype: torch.dtype) -> None:
         logprob_backward(h, w, targets, lse, ent, *grads, 1.0, config, True, True)
 
 
+def _invariant(cfg: ModelConfig, dtype: torch.dtype) -> None:
+    # The batch-invariant mode's kernels at the model's shapes: every linear (one config per (N, K)),
+    # the fp32-output LM head, the packed causal pass and paged decode, the vocabulary logsumexp.
+    from rlengine.kernels.invariant_attention import invariant_attention_varlen, invariant_paged_decode
+    from rlengine.kernels.invariant_logsumexp import invariant_logsumexp
+    from rlengine.kernels.invariant_matmul import invariant_matmul
+
+    T, C, H, Hkv, D = DECODE_TOKENS, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = _empty(T, C, dtype=dtype)
+    for N, K in (((H + 2 * Hkv) * D, C), (C, H * D), (2 * cfg.intermediate_size, C), (C, cfg.intermediate_size)):
+        invariant_matmul(_empty(T, K, dtype=dtype), _empty(N, K, dtype=dtype))
+    invariant_matmul(x, _empty(cfg.vocab_size, C, dtype=dtype), fp32_out=True)
+    q, k = _empty(T, H, D, dtype=dtype), _empty(T, Hkv, D, dtype=dtype)
+    invariant_attention_varlen(q, k, k, _empty(3, dtype=torch.int64), D ** -0.5)
+    pages = 64 * T
+    cache = _empty(pages, PAGE_SIZE, Hkv, D, dtype=dtype)
+    invariant_paged_decode(q, cache, cache, _empty(T + 1, dtype=torch.int32), _empty(pages, dtype=torch.int32),
+                           _empty(T, dtype=torch.int32), D ** -0.5, _empty(T, H, D, dtype=dtype))
+    invariant_logsumexp(_empty(T, cfg.vocab_size, dtype=torch.float32))
+
+
 def cases(models: tuple[str, ...] = MODELS) -> list[Case]:
     """Every launch group of the tier, in a fixed order."""
     out: list[Case] = []
@@ -159,6 +181,9 @@ def cases(models: tuple[str, ...] = MODELS) -> list[Case]:
                                     lambda c=cfg, d=dtype, r=rows, s=s: _cascade(c, d, r, s)))
         for dtype in HALF:
             out.append(Case(f"{name}/norms/{_dt(dtype)}", dtype, lambda c=cfg, d=dtype: _norms(c, d)))
+        if not cfg.num_experts:  # batch-invariant mode: dense models
+            for dtype in ALL:
+                out.append(Case(f"{name}/invariant/{_dt(dtype)}", dtype, lambda c=cfg, d=dtype: _invariant(c, d)))
         for dtype in ALL:
             out.append(Case(f"{name}/logprob/{_dt(dtype)}", dtype, lambda c=cfg, d=dtype: _logprob(c, d)))
         if cfg.num_experts:

@@ -8,11 +8,13 @@ from rlengine.engine.attention.base import AttentionBackend
 from rlengine.engine.attention.cpp_backend import CppBackend
 from rlengine.engine.attention.flashinfer_backend import FlashInferBackend
 from rlengine.engine.attention.invariant_backend import InvariantBackend
+from rlengine.engine.attention.invariant_triton_backend import InvariantTritonBackend
 from rlengine.engine.attention.torch_backend import TorchBackend
 from rlengine.engine.attention.triton_backend import TritonBackend
 
 BACKENDS = {"torch": TorchBackend, "cpp": CppBackend, "triton": TritonBackend, "flashinfer": FlashInferBackend,
             "invariant": InvariantBackend}
+DEVICE_VARIANTS = {("invariant", "cuda"): InvariantTritonBackend}  # one name, the device's implementation
 AUTO_ORDER = {"cuda": ("triton", "torch"), "cpu": ("cpp", "torch")}  # tested backends only
 
 
@@ -33,7 +35,7 @@ def resolve_backend(name: str, device: torch.device) -> type[AttentionBackend]:
         return TorchBackend
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of auto, {', '.join(BACKENDS)}; got {name!r}")
-    cls = BACKENDS[name]
+    cls = DEVICE_VARIANTS.get((name, device.type), BACKENDS[name])
     reason = cls.unavailable_reason(device) if hasattr(cls, "unavailable_reason") else None
     if reason:
         raise ValueError(f"attention_backend={name!r} is unavailable on this machine: {reason}")
