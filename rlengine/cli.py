@@ -193,13 +193,21 @@ def _launch(args) -> int:
     where = ["--standalone"] if args.nnodes == 1 else [
         "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
         "--master-port", str(args.master_port)]
-    launcher = get_args_parser().parse_args(
-        ["--nproc-per-node", str(args.nproc), *where, "-m", "rlengine", *argv])
+    # a SIGTERM / SIGINT here reaches every rank: each finishes its update, saves and exits 130 (in the grace)
+    launcher = get_args_parser().parse_args(["--nproc-per-node", str(args.nproc), *where, "--shutdown-timeout",
+                                             str(int(2 * cfg.run.dist_timeout_s) + 30), "-m", "rlengine", *argv])
+    import logging  # torch's elastic agent sets each of its loggers' level: its shutdown notes are noise here
+
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         run(launcher)
     except Exception as exc:  # noqa: BLE001 - a rank failed: it printed its own error; say which, once
+        from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+        if isinstance(exc, SignalException):
+            return 130
         if not isinstance(exc, ChildFailedError):
             raise
         failures = ", ".join(f"rank {r} ({_how_it_ended(f.exitcode)})" for r, f in sorted(exc.failures.items()))

@@ -145,3 +145,29 @@ def test_checkpoints_kept_saved_once_and_a_finished_resume_rewrites_nothing(tmp_
     Trainer(resume_config(tmp_path / "k"), resume=True).run()
     assert {p.name: p.stat().st_mtime_ns for p in ckpts.iterdir()} == stamps
     assert (tmp_path / "k" / "metrics.jsonl").read_text() == metrics
+
+
+def test_sigterm_to_the_two_rank_launcher_stops_every_rank_at_one_update_and_resumes(tmp_path):
+    """`rlengine train --nproc 2`: SIGTERM to the launcher alone reaches both ranks, which finish the same
+    update, save and exit; the launcher exits 130 with rank 0's resume line as its one line, and the
+    resumed 2-rank run equals an uninterrupted one in every non-timing field."""
+    job = [*JOB, "--train.updates", "8", "--eval.every", "4"]
+    out = tmp_path / "run"
+    proc = _start("--nproc", "2", *job, "--run.out_dir", str(out))
+    _wait_for_updates(out, 3, proc, timeout=240)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 130, stderr[-2000:]
+    stopped_at = len(_metrics(out)) - 1
+    line = f"interrupted at update {stopped_at}; resume with: rlengine train --resume {out}"
+    assert stderr.strip().splitlines()[-1] == line and stderr.count("interrupted at update") == 1, stderr
+    assert "Traceback" not in stderr and 3 <= stopped_at < 8
+    resumed = subprocess.run([sys.executable, "-m", "rlengine", "train", "--nproc", "2", "--resume", str(out)],
+                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    whole = subprocess.run([sys.executable, "-m", "rlengine", "train", "--nproc", "2", *job, "--run.out_dir",
+                            str(tmp_path / "w")], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    per_rank_times = ("t_gen_ranks", "t_train_ranks", "b_act_mean_ranks")
+    strip = lambda rows: [{k: v for k, v in without_timings(r).items() if k not in per_rank_times} for r in rows]
+    assert strip(_metrics(out)) == strip(_metrics(tmp_path / "w"))
