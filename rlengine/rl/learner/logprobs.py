@@ -35,7 +35,7 @@ def _invariant_head(mb: TrainBatch, temperature: float, top_k: int = -1, top_p: 
         logits_TV = inv.logits(hidden_TC, w_VC)
         logp = sequence_logprobs(logits_TV, mb.targets, temperature=temperature, top_k=top_k, top_p=top_p,
                                  mode=mode, invariant=True)
-        t_T1 = torch.full((logits_TV.shape[0], 1), temperature if temperature > 0 else 1.0)
+        t_T1 = torch.full((logits_TV.shape[0], 1), temperature if temperature > 0 else 1.0, device=logits_TV.device)
         full_TV = (logits_TV / t_T1).log_softmax(dim=-1)
         return logp, -(full_TV.exp() * full_TV).sum(dim=-1)
     return head
