@@ -38,7 +38,7 @@ HOT = {
     "_rms_norm_kernel": HALF, "_silu_and_mul_kernel": HALF, "_qk_norm_rope_kernel": HALF,
     "_gate_up_kernel": HALF, "_pair_gemm_kernel": HALF,
     "_logprob_fwd_kernel": ALL,
-    "_inv_matmul_kernel": HALF, "_inv_attention_kernel": HALF, "_inv_logsumexp_kernel": ALL,
+    "_inv_matmul_kernel": HALF, "_inv_attention_kernel": HALF, "_inv_logsumexp_kernel": (torch.float32,),
 }
 
 
@@ -147,9 +147,8 @@ def _logprob(cfg: ModelConfig, dtype: torch.dtype) -> None:
 
 def _invariant(cfg: ModelConfig, dtype: torch.dtype) -> None:
     # The batch-invariant mode's kernels at the model's shapes: every linear (one config per (N, K)),
-    # the fp32-output LM head, the packed causal pass and paged decode, the vocabulary logsumexp.
+    # the fp32-output LM head, the packed causal pass and paged decode (the logsumexp: its own fp32 case).
     from rlengine.kernels.invariant_attention import invariant_attention_varlen, invariant_paged_decode
-    from rlengine.kernels.invariant_logsumexp import invariant_logsumexp
     from rlengine.kernels.invariant_matmul import invariant_matmul
 
     T, C, H, Hkv, D = DECODE_TOKENS, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -163,7 +162,13 @@ def _invariant(cfg: ModelConfig, dtype: torch.dtype) -> None:
     cache = _empty(pages, PAGE_SIZE, Hkv, D, dtype=dtype)
     invariant_paged_decode(q, cache, cache, _empty(T + 1, dtype=torch.int32), _empty(pages, dtype=torch.int32),
                            _empty(T, dtype=torch.int32), D ** -0.5, _empty(T, H, D, dtype=dtype))
-    invariant_logsumexp(_empty(T, cfg.vocab_size, dtype=torch.float32))
+
+
+def _invariant_logsumexp(cfg: ModelConfig) -> None:
+    # its input is the fp32 logits whatever the model's dtype, so it is its own fp32 case
+    from rlengine.kernels.invariant_logsumexp import invariant_logsumexp
+
+    invariant_logsumexp(_empty(DECODE_TOKENS, cfg.vocab_size, dtype=torch.float32))
 
 
 def cases(models: tuple[str, ...] = MODELS) -> list[Case]:
@@ -184,6 +189,8 @@ def cases(models: tuple[str, ...] = MODELS) -> list[Case]:
         if not cfg.num_experts:  # batch-invariant mode: dense models
             for dtype in ALL:
                 out.append(Case(f"{name}/invariant/{_dt(dtype)}", dtype, lambda c=cfg, d=dtype: _invariant(c, d)))
+            out.append(Case(f"{name}/invariant_logsumexp/float32", torch.float32,
+                            lambda c=cfg: _invariant_logsumexp(c)))
         for dtype in ALL:
             out.append(Case(f"{name}/logprob/{_dt(dtype)}", dtype, lambda c=cfg, d=dtype: _logprob(c, d)))
         if cfg.num_experts:

@@ -18,6 +18,8 @@ import json
 import re
 from pathlib import Path
 
+import torch
+
 from tools.sm90.cases import ALL, HALF, HOT
 
 EXEMPTIONS = Path(__file__).with_name("exemptions.json")
@@ -95,7 +97,7 @@ def missing_kernels(report: dict, kernel_dir: Path = KERNELS) -> list[str]:
 
 # dtypes each kernel must compile in; the rest get the two 16-bit types (moe_align takes int ids only)
 _DTYPES = {"_split_kernel": ALL, "_merge_kernel": ALL, "_logprob_fwd_kernel": ALL, "_dlogits_kernel": ALL,
-           "_moe_align_kernel": ()}
+           "_moe_align_kernel": (), "_inv_logsumexp_kernel": (torch.float32,)}
 
 
 def missing_dtypes(report: dict) -> list[str]:
