@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from rlengine.model import batch_invariant as inv
+from rlengine.model.moe import select_experts
 
 
 def _softmax_kernel(z_TE: torch.Tensor) -> torch.Tensor:
@@ -45,11 +46,7 @@ def router_probs(x_TC: torch.Tensor, gate_w_EC: torch.Tensor) -> tuple[torch.Ten
 def route(probs_TE: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype,
           replay_ids_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the probabilities (or the replayed ids) -> (weights [T, K] in dtype, ids [T, K] int64)."""
-    if replay_ids_TK is None:
-        weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
-    else:
-        ids_TK = replay_ids_TK.to(torch.int64)
-        weights_TK = probs_TE.gather(1, ids_TK)
+    weights_TK, ids_TK = select_experts(probs_TE, top_k, replay_ids_TK)
     if norm_topk_prob:
         total_T = weights_TK[:, 0]
         for k in range(1, top_k):

@@ -31,15 +31,19 @@ def triton_available() -> bool:
     return _triton.AVAILABLE
 
 
+def select_experts(probs_TE: torch.Tensor, top_k: int, replay_ids_TK: torch.Tensor | None = None):
+    """(probabilities [T, K], ids [T, K] int64) of the top-k experts, or of the replayed ids."""
+    if replay_ids_TK is None:
+        return torch.topk(probs_TE, top_k, dim=-1)
+    ids_TK = replay_ids_TK.to(torch.int64)
+    return probs_TE.gather(1, ids_TK), ids_TK
+
+
 def route(router_logits_TE: torch.Tensor, top_k: int, norm_topk_prob: bool,
           replay_ids_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax (fp32) top-k routing as in HF Qwen3-MoE -> (weights [T, K] in logits dtype, ids [T, K] int64)."""
     probs_TE = F.softmax(router_logits_TE, dim=-1, dtype=torch.float32)
-    if replay_ids_TK is None:
-        weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
-    else:
-        ids_TK = replay_ids_TK.to(torch.int64)
-        weights_TK = probs_TE.gather(1, ids_TK)
+    weights_TK, ids_TK = select_experts(probs_TE, top_k, replay_ids_TK)
     if norm_topk_prob:
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return weights_TK.to(router_logits_TE.dtype), ids_TK

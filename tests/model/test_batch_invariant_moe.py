@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlengine import LLM, SamplingParams
 from rlengine.config import preset
 from rlengine.model import batch_invariant as inv
 from rlengine.model import batch_invariant_moe as inv_moe
@@ -19,6 +18,7 @@ from rlengine.model.moe import SparseMoeBlock, moe_experts_ref, route
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.learner.learner import token_logprobs
 
+from tests.engine.test_batch_invariant_engine import _alone_vs_batch
 from tests.support.engine_learner_logprobs import rollout_batch
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -28,18 +28,6 @@ def _model(dtype=torch.float32, seed=5):
     model = Qwen3ForCausalLM(preset("tiny-moe"), seed=seed, dtype=dtype)
     model.batch_invariant = True
     return model
-
-
-def _alone_vs_batch(model, **llm_kw):
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, model.config.vocab_size, (int(n),), generator=g).tolist()
-               for n in torch.randint(1, 40, (41,), generator=g)]
-    params = [SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=16, ignore_eos=True) for i in range(41)]
-    alone = LLM(model, max_num_seqs=1, batch_invariant=True).generate(prompts[:1], params[:1])[0].outputs[0]
-    outs = LLM(model, max_num_seqs=41, batch_invariant=True, **llm_kw).generate(prompts, params)
-    batched = outs[0].outputs[0]
-    return ((alone.token_ids, torch.tensor(alone.token_logprobs)),
-            (batched.token_ids, torch.tensor(batched.token_logprobs)), outs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
