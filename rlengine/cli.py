@@ -171,64 +171,9 @@ def _cmd_plot(args) -> int:
 
 
 def _launch(args) -> int:
-    """`rlengine train --nproc K`: check the config here (one clear error, no process started), then
-    start K ranks of the same command through torch's elastic launcher (what torchrun runs)."""
-    from torch.distributed.run import get_args_parser, run
+    from rlengine.cli_launch import launch
 
-    from rlengine.config import ConfigError
-
-    args.nproc = 1 if args.nproc is None else args.nproc  # --nnodes alone: one rank per node
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(f"--nnodes must be >= 1 and --node-rank in [0, {args.nnodes}), got --nnodes "
-                          f"{args.nnodes} --node-rank {args.node_rank}")
-    cfg = _train_config(args)
-    argv = ["train"] + (["--config", args.config] if args.config else []) + ["--algo", args.algo]
-    argv += (["--resume", args.resume] if args.resume else []) + list(args.overrides)
-    argv += [] if args.resume else ["--run.out_dir", cfg.run.out_dir]  # every rank writes where this one chose
-    argv += ["--profile", args.profile, "--profile-window", args.profile_window] if args.profile else []  # rank 0 writes
-    # one node: torchrun --standalone; several: every node's launcher meets at --master-addr:port
-    # (torchrun's static rendezvous, a c10d store on node 0), node ranks as given
-    where = ["--standalone"] if args.nnodes == 1 else [
-        "--nnodes", str(args.nnodes), "--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
-        "--master-port", str(args.master_port)]
-    # a SIGTERM / SIGINT here reaches every rank: each finishes its update, saves and exits 130 (in the grace)
-    launcher = get_args_parser().parse_args(["--nproc-per-node", str(args.nproc), *where, "--shutdown-timeout",
-                                             str(int(2 * cfg.run.dist_timeout_s) + 30), "-m", "rlengine", *argv])
-    import logging  # torch's elastic agent sets each of its loggers' level: its shutdown notes are noise here
-
-    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        run(launcher)
-    except Exception as exc:  # noqa: BLE001 - a rank failed: it printed its own error; say which, once
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-        if isinstance(exc, SignalException):
-            return 130
-        if not isinstance(exc, ChildFailedError):
-            raise
-        failures = ", ".join(f"rank {r} ({_how_it_ended(f.exitcode)})" for r, f in sorted(exc.failures.items()))
-        print(f"rlengine train: {failures} failed; the job was stopped", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _how_it_ended(exitcode: int) -> str:
-    """A rank's exit code in words: a negative one is the signal that killed it."""
-    if exitcode >= 0:
-        return f"exit code {exitcode}"
-    import signal
-
-    try:
-        name = signal.Signals(-exitcode).name
-    except ValueError:
-        name = f"signal {-exitcode}"
-    if -exitcode == signal.SIGKILL:
-        return f"killed by {name}, likely out of memory (the kernel's OOM killer sends it)"
-    return f"stopped by {name}"
+    return launch(args, _train_config)
 
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ LAYERS = [
     ["rlengine.rl.trainer", "rlengine.rl"],
     ["rlengine.preflight"],
     ["rlengine.tune", "rlengine.benchmarks"],
-    ["rlengine.cli", "rlengine.cli_info", "rlengine.__main__", "rlengine"],
+    ["rlengine.cli", "rlengine.cli_info", "rlengine.cli_launch", "rlengine.__main__", "rlengine"],
 ]
 
 

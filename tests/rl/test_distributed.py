@@ -250,7 +250,7 @@ def test_two_nodes_of_one_rank_reproduce_the_two_rank_run(tmp_path):
 
 
 def test_a_killed_rank_is_named_with_how_it_died():
-    from rlengine.cli import _how_it_ended
+    from rlengine.cli_launch import how_it_ended as _how_it_ended
 
     assert _how_it_ended(1) == "exit code 1"
     assert _how_it_ended(-9) == "killed by SIGKILL, likely out of memory (the kernel's OOM killer sends it)"
