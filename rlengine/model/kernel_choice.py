@@ -22,6 +22,7 @@ The table is per process (like a GEMM library's heuristics), recorded in every p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -31,6 +32,11 @@ import statistics
 import time
 from pathlib import Path
 from typing import Callable
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
 
 import torch
 
@@ -148,14 +154,15 @@ class KernelChoices:
         added since), atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        table = self.to_dict()
-        for key, theirs in _read_table(path).items():
-            timed = set(theirs.get("ms", {})) if isinstance(theirs, dict) else set()
-            if key not in table or not timed < set(table[key]["ms"]):
-                table[key] = theirs
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"machine": machine_key(), "mode": self.mode, "table": table}, indent=1))
-        os.replace(tmp, path)
+        with _exclusive(path.with_suffix(".lock")):  # read-merge-write: a racing writer must not drop ours
+            table = self.to_dict()
+            for key, theirs in _read_table(path).items():
+                timed = set(theirs.get("ms", {})) if isinstance(theirs, dict) else set()
+                if key not in table or not timed < set(table[key]["ms"]):
+                    table[key] = theirs
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"machine": machine_key(), "mode": self.mode, "table": table}, indent=1))
+            os.replace(tmp, path)
         return path
 
     def choose(self, key: str, candidates: dict[str, Callable[[], object]], *, rule: str) -> str:
@@ -184,13 +191,28 @@ class KernelChoices:
         self.table[key] = Decision(pick(ms), ms, "measured")
         if self.cache_dir is not None:
             self.save(self.cache_path())
-            self.load({key: _read_table(self.cache_path())[key]}, source="cache")  # a racing writer's wins
+            theirs = _read_table(self.cache_path()).get(key)
+            if theirs is not None:  # a racing writer's wins
+                self.load({key: theirs}, source="cache")
         return self.table[key].impl
 
     def summary(self) -> dict:
         """For provenance blocks: the mode and every decision so far."""
         return {"mode": self.mode, "cache": str(self.cache_path()) if self.cache_dir else None,
                 "table": self.to_dict()}
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """Hold an exclusive advisory lock on lock_path (POSIX flock; a no-op where there is none)."""
+    with open(lock_path, "a") as f:
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _read_table(path: Path) -> dict:

@@ -207,3 +207,26 @@ def test_the_upcast_buffer_made_inside_inference_mode_is_writable_outside_it():
         first = ops._upcast_matmul(x, w, torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(ops._upcast_matmul(x, w, torch.bfloat16), first)
+
+
+def _decide_many(cache_dir: str, prefix: str, n: int) -> None:
+    timer, _ = _fixed({"torch": 1.0, "skinny": 0.5})
+    ch = kc.KernelChoices("measure", cache_dir=cache_dir, timer=timer)
+    for i in range(n):
+        assert ch.choose(f"{prefix}{i}", _cands("torch", "skinny"), rule="skinny") == "skinny"
+
+
+def test_processes_sharing_a_cache_file_keep_every_decision(tmp_path):
+    """Two runs on one machine (two seeds side by side) deciding different shapes at once: each
+    read-merge-write of the shared file must keep the other's entries, and no run may fail on a
+    decision a racing writer dropped."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_decide_many, args=(str(tmp_path), p, 150)) for p in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    table = json.loads(kc.KernelChoices("measure", cache_dir=tmp_path).cache_path().read_text())["table"]
+    assert set(table) == {f"{p}{i}" for p in "ab" for i in range(150)}
