@@ -16,26 +16,41 @@ from torch import Tensor
 
 def grpo_token_advantages(credits_G: list[list[float]], *, normalize_std: bool = True,
                           eps: float = 1e-6) -> list[list[float]]:
-    """Group-relative advantages per token position (train.credit = "token").
+    """Group-relative advantages per answer slot (train.credit = "token").
 
-    credits_G: the G responses of one prompt, one credit per token. The advantage of token t of
-    response g compares its credit with the credits at position t of the group's responses that have
-    a token there: (c[g][t] - mean_t) / (std_t + eps) (unbiased std, as grpo_advantages), exactly 0
-    where those credits are all equal or only one response reaches t. Each deciding token is judged
-    by its own outcome, not by the sum over the whole response.
+    credits_G: the G responses of one prompt, one credit per token; token t of a response fills
+    slot t. A response that has stopped leaves its later slots empty, and an empty slot's credit is
+    0. The advantage of slot t of response g compares its credit with slot t of all G responses:
+    (c[g][t] - mean_t) / (std_t + eps) (unbiased std, as grpo_advantages), exactly 0 where the G
+    credits are all equal. A written token gets its own slot's advantage: each deciding token is
+    judged by its own outcome, not by the sum over the whole response. The advantages of the empty
+    slots go to the response's last token, the one that stopped it: stopping early is charged with
+    the credit the others earned after it, and stopping in time with the cost of the tokens they
+    wrote past the answer (Task.token_credit: -1 each), so the length is learned too.
     """
     longest = max((len(c) for c in credits_G), default=0)
     out = [[0.0] * len(c) for c in credits_G]
     for t in range(longest):
-        rows = [g for g, c in enumerate(credits_G) if len(c) > t]
-        vals = [credits_G[g][t] for g in rows]
+        vals = [c[t] if len(c) > t else 0.0 for c in credits_G]
         if len(vals) < 2 or max(vals) == min(vals):
             continue
         mean = sum(vals) / len(vals)
         sd = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if normalize_std else 1.0
-        for g, v in zip(rows, vals):
-            out[g][t] = (v - mean) / (sd + (eps if normalize_std else 0.0))
+        for g, v in enumerate(vals):
+            a = (v - mean) / (sd + (eps if normalize_std else 0.0))
+            if len(credits_G[g]) > t:
+                out[g][t] = a
+            elif credits_G[g]:
+                out[g][-1] += a
     return out
+
+
+def token_credits_uniform(credits_G: list[list[float]]) -> bool:
+    """True where grpo_token_advantages gives every token 0: each slot's credit (0 where empty) is the
+    same in all G responses. Dynamic sampling's "no signal" test under train.credit = "token": a group
+    whose rewards are equal may still teach its tokens (the same score from different wrong slots)."""
+    longest = max((len(c) for c in credits_G), default=0)
+    return all(len({c[t] if len(c) > t else 0.0 for c in credits_G}) == 1 for t in range(longest))
 
 
 def grpo_advantages(rewards_PG: Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:

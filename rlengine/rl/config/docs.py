@@ -51,7 +51,7 @@ FIELD_DOCS: dict[str, str] = {
     "train.prompts_per_step": "P, prompts per optimizer update (B_train = P x G)",
     "train.b_train": "B_train = P x G retained responses per update; when set, P = b_train / G (0 = from P)",
     "train.updates": "optimizer updates in the run",
-    "train.lr": "eta0, the learning rate at the reference batch b0",
+    "train.lr": "eta0, the learning rate at the reference batch b0 (0: a frozen policy)",
     "train.b0": "B0, reference batch of the LR rule; 0 = this run's B_train",
     "train.lr_rule": "LR rule eta = eta0 (B_train / B0)^p: sqrt (p = 1/2) | linear (1) | none (0)",
     "train.weight_decay": "AdamW weight decay",

@@ -126,7 +126,7 @@ class TrainSection(UpdateOptions):
     prompts_per_step: int = 16           # P
     b_train: int = 0                     # P*G; if set, P = b_train / G
     updates: int = 60                    # optimizer updates
-    lr: float = 1e-3                     # eta0 at batch b0
+    lr: float = 1e-3                     # eta0 at batch b0; 0 = a frozen policy (speed probes, controls)
     b0: int = 0                          # reference batch of the LR rule; 0 = this run's B_train
     lr_rule: str = "sqrt"                # sqrt | linear | none: eta = eta0 * (B/B0)^(1/2 | 1 | 0)
     weight_decay: float = 0.0
@@ -187,7 +187,7 @@ class TrainSection(UpdateOptions):
         _check(self.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         self.b_train = self.prompts_per_step * self.group_size
         _check(self.updates >= 1, f"train.updates must be >= 1, got {self.updates}")
-        _check(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        _check(self.lr >= 0, f"train.lr must be >= 0 (0: a frozen policy), got {self.lr}")
         _check(self.lr_rule in ("sqrt", "linear", "none"), f"train.lr_rule must be sqrt|linear|none, got {self.lr_rule!r}")
         _check(self.agg in AGGREGATIONS, f"train.agg must be {'|'.join(AGGREGATIONS)}, got {self.agg!r}")
         _check(self.credit in ("sequence", "token"), f"train.credit must be sequence|token, got {self.credit!r}")

@@ -105,10 +105,13 @@ def _random_prompt_digits(problem: Problem, rng: random.Random) -> str:
 
 def position_credit(token_texts: list[str], answer: str) -> list[float]:
     """Credit of each response token of a digit-string task: 1.0 where token t is answer[t], and for
-    the <eos> ("") right after the last answer character; 0.0 for every other token (a wrong digit,
-    an <eos> too early, anything past the answer)."""
+    the <eos> ("") right after the last answer character; 0.0 for a wrong digit or an <eos> too
+    early; -1.0 for each token past the answer's <eos> slot (what the answer should not have).
+    Together with the empty slots' 0 (grpo_token_advantages), the sum is the exact-match score's
+    per-position form: right slots minus extra tokens."""
     n = len(answer)
-    return [float(t < n and text == answer[t] or t == n and text == "") for t, text in enumerate(token_texts)]
+    return [-1.0 if t > n else float(t < n and text == answer[t] or t == n and text == "")
+            for t, text in enumerate(token_texts)]
 
 
 class DatasetError(ConfigError):

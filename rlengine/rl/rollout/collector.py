@@ -33,7 +33,8 @@ from rlengine.rl.types import RolloutGroup
 from rlengine.rl.data.reward_pool import InlineRunner
 from rlengine.rl.data.rewards import RewardCall
 from rlengine.rl.data.scoring import RewardScorer
-from rlengine.rl.data.tasks import Problem, Task
+from rlengine.rl.algo.advantages import token_credits_uniform
+from rlengine.rl.data.tasks import Problem, Task, assign_token_credits
 
 
 class PrioritySampler:
@@ -117,10 +118,12 @@ class RolloutCollector:
     def __init__(self, llm: LLM, tokenizer: Tokenizer, task: Task, *, group_size: int, b_train: int, b_gen: int,
                  params: SamplingParams, sampler: PrioritySampler, dynamic_sampling: bool, max_lag: int,
                  max_filter_factor: int = 8, max_reward_error_frac: float = 0.01, dist: Dist | None = None,
-                 seed: int = 0, runner=None, encode_prompt: Callable[[str], list[int]] | None = None):
+                 seed: int = 0, runner=None, encode_prompt: Callable[[str], list[int]] | None = None,
+                 token_credit: bool = False):
         """runner: where reward calls run (reward_pool.InlineRunner / RewardPool; default: in this process
         with task.reward_fn). encode_prompt: prompt text -> token ids (default tokenizer.encode; the
-        trainer passes the chat-template encoder)."""
+        trainer passes the chat-template encoder). token_credit (train.credit = "token"): groups carry
+        their per-token credits, and dynamic sampling drops a group only when those give no signal."""
         self.dist = dist or Dist()
         self.seed = seed
         self.next_request = 0                         # global request index of the next coupled submission
@@ -132,6 +135,7 @@ class RolloutCollector:
         self.max_lag = max_lag
         self.max_filter_factor = max_filter_factor
         self.max_reward_error_frac = max_reward_error_frac
+        self.token_credit = token_credit
         self.filtering = True
         self.in_flight: dict[str, int] = {}          # request id -> problem index
         self.request_index: dict[str, int] = {}      # request id -> global request index (coupled mode)
@@ -220,14 +224,14 @@ class RolloutCollector:
                 for out in self.llm.step():
                     pending[self.request_index.pop(out.request_id)] = self._submit_scoring(out)
             local = {g: self._finish(pending[g], scorer) for g in sorted(pending)}
-            wave = [(g, grp.problem_index, grp.rewards, grp.reward_errors) for g, grp in local.items()]
-            for g, idx, rewards, errors in sorted(w for part in d.all_gather_objects(wave) for w in part):
+            wave = [(g, grp.problem_index, grp.rewards, grp.reward_errors, self._uniform(grp)) for g, grp in local.items()]
+            for g, idx, rewards, errors, uniform in sorted(w for part in d.all_gather_objects(wave) for w in part):
                 stats.groups_scored += 1
                 stats.reward_errors += errors
                 self.sampler.update(idx, rewards)
                 if g in local:
                     stats.scores.extend(rewards)
-                if self.filtering and self.dynamic_sampling and self.G > 1 and len(set(rewards)) == 1:
+                if self.filtering and self.dynamic_sampling and self.G > 1 and uniform:
                     stats.groups_dropped += 1
                     continue
                 retained += 1
@@ -285,15 +289,25 @@ class RolloutCollector:
                  for c in out.outputs]
         return _PendingGroup(idx, out, self.runner.submit(calls))
 
+    def _uniform(self, group: RolloutGroup) -> bool:
+        """No learning signal in the group: all rewards equal, or with token credit all slot credits."""
+        if self.token_credit:
+            return token_credits_uniform(group.token_credits)
+        return len(set(group.rewards)) == 1
+
     def _finish(self, pending: "_PendingGroup", scorer: RewardScorer) -> RolloutGroup:
-        """A pending group with its rewards (failures score 0 and are counted by `scorer`)."""
+        """A pending group with its rewards (failures score 0 and are counted by `scorer`), and its
+        per-token credits with token_credit."""
         out, errors_before = pending.out, scorer.errors
         rewards = [scorer.record(o) for o in self.runner.gather(pending.ticket)]
-        return RolloutGroup(pending.problem_index, out.prompt_token_ids, [c.token_ids for c in out.outputs],
+        group = RolloutGroup(pending.problem_index, out.prompt_token_ids, [c.token_ids for c in out.outputs],
                             [c.token_logprobs for c in out.outputs], rewards, [c.policy_versions for c in out.outputs],
                             [c.finish_reason for c in out.outputs],
                             [c.routing_ids for c in out.outputs if c.routing_ids is not None],
                             scorer.errors - errors_before)
+        if self.token_credit:
+            assign_token_credits([group], self.task, self.tok)
+        return group
 
     def _score(self, group: RolloutGroup, stats: CollectStats) -> None:
         rewards = group.rewards
@@ -304,7 +318,7 @@ class RolloutCollector:
         if self.async_mode and group.lag(self.llm.weight_version) > self.max_lag:
             stats.groups_stale += 1
             return
-        if self.filtering and self.dynamic_sampling and self.G > 1 and len(set(rewards)) == 1:
+        if self.filtering and self.dynamic_sampling and self.G > 1 and self._uniform(group):
             stats.groups_dropped += 1
             return
         self.ready.append(group)

@@ -43,7 +43,7 @@ def train_batch(groups, t, task, tok):
     train.credit = "token"), or PPO's (every response of every group; the critic scores each)."""
     if t.algo != "grpo":
         return ppo_batch(groups)
-    if t.credit == "token":  # each token judged by its own correctness
+    if t.credit == "token" and any(not g.token_credits for g in groups):  # the collector sets them
         assign_token_credits(groups, task, tok)
     return grpo_batch(groups, normalize_std=t.normalize_std, token_credit=t.credit == "token")
 

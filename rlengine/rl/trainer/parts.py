@@ -154,7 +154,8 @@ def build_parts(cfg: TrainConfig, dist: Dist) -> JobParts:
     collector = RolloutCollector(llm, tok, task, group_size=t.group_size, b_train=t.b_train, b_gen=g.b_gen,
                                  params=params, sampler=sampler, dynamic_sampling=t.dynamic_sampling and t.algo == "grpo",
                                  max_lag=g.max_lag, max_reward_error_frac=cfg.task.max_reward_error_frac, dist=dist,
-                                 seed=cfg.run.seed, runner=rewards, encode_prompt=encode)
+                                 seed=cfg.run.seed, runner=rewards, encode_prompt=encode,
+                                 token_credit=t.credit == "token")
     evaluator = Evaluator(eval_llm, encode, eval_rewards, tok, eval_sets, cfg.eval, max_tokens=g.max_tokens,
                           seed=cfg.run.seed, max_error_frac=cfg.task.max_reward_error_frac, dist=dist)
     return JobParts(model=model, tok=tok, task=task, encode=encode, eval_sets=eval_sets, llm=llm, eval_llm=eval_llm,
