@@ -11,6 +11,7 @@ Simplification: the commit is read with `git` from the package's own checkout; a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -57,7 +58,8 @@ def _versions() -> dict:
 def device_info(device: torch.device | str | None = None) -> dict:
     """The device a measurement ran on: name, CUDA version, clocks-relevant facts where known."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    info = {"device": str(device), "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+    info = {"device": str(device), "cpu": platform.processor() or platform.machine(), "cpu_model": cpu_model(),
+            "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             # other processes' load when the JSON was written: a loaded host makes every number slower
             "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
@@ -86,6 +88,28 @@ def provenance(device: torch.device | str | None = None, *, llm=None, **extra) -
         info.update(engine_state(llm))
     info.update(extra)
     return info
+
+
+@functools.cache
+def cpu_model() -> str:
+    """lscpu's "Model name" (platform.processor() when lscpu is missing): the CPU every number names."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown"
+    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown")
+
+
+@functools.cache
+def cpu_isa() -> list[str]:
+    """The CPU's flags that decide which CPU kernels win (AMX, AVX-512 bf16 / VNNI, AVX2): the same
+    "Model name" ships with and without them."""
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("flags")), [])
+    except OSError:
+        return []
+    return sorted(f for f in set(flags) if f in ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2"))
 
 
 def write_json(path: str | Path, payload: dict, *, device=None, llm=None, **extra) -> Path:

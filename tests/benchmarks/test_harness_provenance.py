@@ -70,6 +70,10 @@ def test_provenance_fields():
     for key in ("time", "commit", "dirty", "torch", "python", "device", "cpu_count", "torch_threads", "triton"):
         assert key in p
     assert p["extra_field"] == 3 and p["device"] == "cpu"
+    # the CPU by name (lscpu's Model name) and by the flags that decide kernel choices
+    assert p["cpu_model"] not in ("", "x86_64") and isinstance(p["cpu_isa"], list)
+    if "avx2" in open("/proc/cpuinfo").read():
+        assert "avx2" in p["cpu_isa"]
 
 
 def test_engine_state_says_what_actually_ran():

@@ -15,8 +15,6 @@ The CPU's model name (lscpu) and the torch thread count are recorded with the nu
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 
 import torch
 
@@ -25,18 +23,10 @@ from rlengine.engine import filtering
 from rlengine.engine import sampler as sampler_mod
 from rlengine.engine.sampler import Sampler, make_sampling_batch
 from rlengine.engine.sampling_params import SamplingParams
+from rlengine.telemetry.provenance import cpu_model
 
 PROVIDERS = ["sorted", "radix"]  # sorted is the baseline
 CASES = {"top_p=0.95": dict(top_p=0.95), "top_k=50": dict(top_k=50), "top_k=50,top_p=0.95": dict(top_k=50, top_p=0.95)}
-
-
-def cpu_model() -> str:
-    """lscpu's model name (platform.processor() when lscpu is missing)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown"
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "unknown")
 
 
 def _rows(B, V, device, providers, iters):
