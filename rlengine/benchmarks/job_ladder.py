@@ -53,7 +53,8 @@ def _probe(config: str, b_gen: int, b_train: int, updates: int, skip: int, seed:
     t = t_gen + sum(r["t_train"] for r in rows)
     responses = b_train * len(rows)
     return {"q": responses / t, "q_gen": responses / t_gen, "gen_share": t_gen / t,
-            "b_act": statistics.fmean(r["b_act_mean"] for r in rows),
+            # an async update whose responses were all generated earlier decodes nothing: b_act_mean is None
+            "b_act": statistics.fmean([r["b_act_mean"] for r in rows if r["b_act_mean"] is not None] or [0.0]),
             "resp_len": statistics.fmean(r["response_length/mean"] for r in rows), "window": [lead + 1, end]}
 
 
