@@ -100,7 +100,19 @@ def _cmd_train(args) -> int:
     trainer = Trainer(cfg, resume_from=args.resume, profile=args.profile,
                       profile_window=args.profile_window)
     history = trainer.run()
+    ranks = trainer.dist.enabled
     trainer.dist.close()
+    code = _train_summary(trainer, history)
+    if ranks:  # a rank of a multi-rank job, its work done and saved: exit without the interpreter's teardown,
+        # where gloo's C++ threads can still abort the process (std::terminate) after a finished job
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _train_summary(trainer, history) -> int:
+    """Rank 0 prints J against N and the run directory; the exit code (130: interrupted)."""
     if not trainer.dist.is_main:
         return 130 if trainer.interrupted else 0
     if trainer.interrupted:
