@@ -122,7 +122,8 @@ def tune(spec: TuneSpec, out_dir: str | Path, *, runner: Runner | None = None, r
 def run_header(spec: TuneSpec, s1) -> dict:
     """The conditions every number of the report was measured under: threads, load, clock, host."""
     import os
-    import platform
+
+    from rlengine.telemetry.provenance import cpu_isa, cpu_model
 
     curves = s1.curves
     loads = [x for c in curves for x in c.load if x >= 0]
@@ -130,7 +131,7 @@ def run_header(spec: TuneSpec, s1) -> dict:
     return {"threads": spec.threads, "clock": sorted({c.clock for c in curves}) or [spec.clock],
             "load_min": min(loads, default=None), "load_max": max(loads, default=None),
             "cpu_per_wall": (sum(busy) / len(busy)) if busy else None, "cores": os.cpu_count(),
-            "host": platform.processor() or platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "host": cpu_model(), "cpu_isa": cpu_isa(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:

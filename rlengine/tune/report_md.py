@@ -34,9 +34,10 @@ def header_markdown(result: TuneResult) -> str:
             else "wall-clock seconds")
     load = (f"{h['load_min']:.2f} to {h['load_max']:.2f}" if h.get("load_min") is not None else "unknown")
     busy = _f(h.get("cpu_per_wall"), "{:.2f}")
+    flags = " ".join(h.get("cpu_isa") or []) or "flags unknown"
     return (f"Conditions: torch threads {h.get('threads', '?')} (fixed for every run); clock: {what}; "
             f"1-minute load average over the runs {load} on {h.get('cores', '?')} cores "
-            f"(CPU s / wall s per run {busy}); host {h.get('host', '?')}; {h.get('time', '')}.")
+            f"(CPU s / wall s per run {busy}); host {h.get('host', '?')} ({flags}); {h.get('time', '')}.")
 
 
 def table_markdown(rows: Sequence[TableRow], reference: str) -> str:

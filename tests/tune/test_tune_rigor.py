@@ -224,3 +224,19 @@ def test_cli_refuses_bad_b_gen_and_takes_overrides(tmp_path, capsys):
     assert args.probe_updates == 7 and args.threads == 1
     with pytest.raises(ValueError, match="threads"):
         TuneSpec(job=JOB, target_j=TARGET, b_train=(128,), threads=0)
+
+
+def test_the_report_header_names_the_cpu_it_ran_on():
+    from types import SimpleNamespace
+
+    from rlengine.telemetry.provenance import cpu_isa, cpu_model
+    from rlengine.tune.pipeline import run_header
+    from rlengine.tune.report_md import header_markdown
+
+    curve = SimpleNamespace(load=(1.5, 2.5), cpu_s=9.0, wall_s=10.0, clock="cpu")
+    header = run_header(SimpleNamespace(threads=1, clock="auto"), SimpleNamespace(curves=[curve, curve]))
+    assert header["host"] == cpu_model() and header["cpu_isa"] == cpu_isa()
+    assert header["load_min"] == 1.5 and header["load_max"] == 2.5 and header["cpu_per_wall"] == 0.9
+    text = header_markdown(SimpleNamespace(header=header))
+    assert f"host {cpu_model()} (" in text and "load average over the runs 1.50 to 2.50" in text
+    assert "x86_64" not in text or "x86_64" in cpu_model()
