@@ -28,10 +28,8 @@ def grpo_token_advantages(credits_G: list[list[float]], *, normalize_std: bool =
     the credit the others earned after it, and stopping in time with the cost of the tokens they
     wrote past the answer (Task.token_credit: -1 each), so the length is learned too.
     """
-    longest = max((len(c) for c in credits_G), default=0)
     out = [[0.0] * len(c) for c in credits_G]
-    for t in range(longest):
-        vals = [c[t] if len(c) > t else 0.0 for c in credits_G]
+    for t, vals in enumerate(_slots(credits_G)):
         if len(vals) < 2 or max(vals) == min(vals):
             continue
         mean = sum(vals) / len(vals)
@@ -49,8 +47,14 @@ def token_credits_uniform(credits_G: list[list[float]]) -> bool:
     """True where grpo_token_advantages gives every token 0: each slot's credit (0 where empty) is the
     same in all G responses. Dynamic sampling's "no signal" test under train.credit = "token": a group
     whose rewards are equal may still teach its tokens (the same score from different wrong slots)."""
+    return all(len(set(vals)) == 1 for vals in _slots(credits_G))
+
+
+def _slots(credits_G: list[list[float]]):
+    """Slot t's credits in all G responses (0 where a response has stopped), t = 0 .. the longest."""
     longest = max((len(c) for c in credits_G), default=0)
-    return all(len({c[t] if len(c) > t else 0.0 for c in credits_G}) == 1 for t in range(longest))
+    for t in range(longest):
+        yield [c[t] if len(c) > t else 0.0 for c in credits_G]
 
 
 def grpo_advantages(rewards_PG: Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
