@@ -40,8 +40,13 @@ def launch(args, train_config) -> int:
 
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.ERROR)
+    from rlengine.rank_watch import RankWatch
+
+    # a stopped rank fails no collective: killed after half the collective timeout, the job ends within it
+    watch = RankWatch(cfg.run.dist_timeout_s / 2)
     try:
-        run(launcher)
+        with watch:
+            run(launcher)
     except Exception as exc:  # noqa: BLE001 - a rank failed: it printed its own error; say which, once
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -50,16 +55,37 @@ def launch(args, train_config) -> int:
             return 130
         if not isinstance(exc, ChildFailedError):
             raise
-        failures = ", ".join(f"rank {r} ({how_it_ended(f.exitcode)})" for r, f in sorted(exc.failures.items()))
-        print(f"rlengine train: {failures} failed; the job was stopped", file=sys.stderr)
+        print(f"rlengine train: {failure_line(exc.failures, watch.killed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def failure_line(failures: dict, stopped: dict[int, float]) -> str:
+    """One line: the ranks that caused the failure and how they ended, then the others.
+
+    failures: {rank: ProcessFailure (.exitcode)}; stopped: {rank: seconds} of ranks the launcher killed
+    because they had been stopped that long."""
+    import signal
+
+    def how(rank: int) -> str:
+        if rank in stopped:
+            return f"stopped (SIGSTOP or frozen) for {stopped[rank]:.0f} s, so the launcher killed it"
+        return how_it_ended(failures[rank].exitcode)
+    # the root cause, most telling first: a rank found stopped; one killed by a signal the launcher does
+    # not send; one that exited on its own (after a peer died, the others exit with errors too)
+    killed = {r for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    exited = {r for r, f in failures.items() if f.exitcode != -signal.SIGTERM}
+    causes = sorted(next(s for s in (set(stopped) & set(failures), killed, exited, set(failures)) if s))
+    line = "; ".join(f"rank {r} {how(r)}" for r in causes) + "; the job was stopped"
+    others = sorted(set(failures) - set(causes))
+    return line + (f" (ended with it: rank{'s' * (len(others) > 1)} {', '.join(map(str, others))})"
+                   if others else "")
 
 
 def how_it_ended(exitcode: int) -> str:
     """A rank's exit code in words: a negative one is the signal that killed it."""
     if exitcode >= 0:
-        return f"exit code {exitcode}"
+        return f"exited with code {exitcode}"
     import signal
 
     try:

@@ -159,15 +159,35 @@ def _hf_tensors(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
     return out
 
 
+def hf_export(model: Qwen3ForCausalLM) -> tuple[dict[str, torch.Tensor], dict]:
+    """The model as HF tensors (CPU copies that own their memory: training may go on meanwhile) and
+    its HF config.json dict: what write_hf_export writes."""
+    own = _storage_ptrs(model)
+    tensors = {n: t.clone() if t.untyped_storage().data_ptr() in own else t for n, t in _hf_tensors(model).items()}
+    hf_cfg = model.config.to_hf_dict()
+    hf_cfg["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    return tensors, hf_cfg
+
+
+def _storage_ptrs(model: torch.nn.Module) -> set[int]:
+    """Data pointers of the model's own storage (a CPU model's export pieces may alias it)."""
+    return {p.untyped_storage().data_ptr() for p in model.parameters() if p.device.type == "cpu"}
+
+
 def save_pretrained(model: Qwen3ForCausalLM, path: str | Path, *, max_shard_bytes: int = 2 * 2**30) -> Path:
     """Write config.json and safetensors (sharded with an index above max_shard_bytes) to `path`.
 
     Files are written under temporary names and renamed, so an interrupted save leaves no
     half-written checkpoint behind.
     """
+    return write_hf_export(*hf_export(model), path, max_shard_bytes=max_shard_bytes)
+
+
+def write_hf_export(tensors: dict[str, torch.Tensor], hf_cfg: dict, path: str | Path, *,
+                    max_shard_bytes: int = 2 * 2**30) -> Path:
+    """save_pretrained's writing half, from hf_export's tensors and config (any thread)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = _hf_tensors(model)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -177,8 +197,6 @@ def save_pretrained(model: Qwen3ForCausalLM, path: str | Path, *, max_shard_byte
             size = 0
         shards[-1][name] = t
         size += nbytes
-    hf_cfg = model.config.to_hf_dict()
-    hf_cfg["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     names = [SINGLE_NAME] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for shard, fname in zip(shards, names):

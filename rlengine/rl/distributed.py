@@ -1,4 +1,4 @@
-"""One node, several devices: the process group, the global reductions, and the DDP / FSDP2 wrapping.
+"""Several devices: the process group, the global reductions, and the DDP / FSDP2 wrapping.
 
 torchrun starts one process per device (rlengine train --nproc K is a front to the same launcher);
 each rank is the single-process engine + learner of the rest of rlengine, on its own device. This
@@ -6,8 +6,10 @@ module holds what the ranks share: `Dist` (rank, world size, device, the global 
 trainer and learner need, all no-ops in one process) and `parallelize` (DDP replicas, or FSDP2
 `fully_shard` per decoder layer). Under FSDP the engine decodes from unsharded parameters inside
 `Dist.unsharded(model)`: the rank all-gathers its layers for the rollout phase and reshards before
-the update, so no second copy of the weights exists and none is copied to a generator.
-Simplifications: one node (no inter-node topology); FSDP shards over all ranks (no HSDP).
+the update, so no second copy of the weights exists and none is copied to a generator. Checkpoints
+of a sharded learner are written shard by shard (trainer/sharded.py), never gathered.
+Several nodes run through torchrun's rendezvous (rlengine train --nnodes); the ranks form one flat
+group. Simplifications: no inter-node topology; FSDP shards over all ranks (no HSDP).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     backend: str = ""          # gloo | nccl ("" in one process)
+    ckpt_group: object = None  # gloo group for checkpoint saves: its timeout is run.save_timeout_s
 
     @property
     def is_main(self) -> bool:
@@ -71,6 +74,20 @@ class Dist:
         if self.enabled:
             dist.barrier()
 
+    def broadcast_object(self, obj):
+        """Rank 0's `obj` on every rank (a small picklable object)."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def wait_for_save(self) -> None:
+        """Return when every rank got here: the wait after a checkpoint save, on the checkpoint group,
+        so a save that outlasts the training collectives' timeout does not fail the job."""
+        if self.enabled:
+            dist.barrier(group=self.ckpt_group)
+
     def close(self) -> None:
         """Leave the process group (every rank, at the end of a job: avoids teardown races in gloo)."""
         if self.enabled and dist.is_initialized():
@@ -106,12 +123,13 @@ class Dist:
                               "with the same config and overrides")
 
 
-def init_from_env(timeout_s: float = 300.0) -> Dist:
+def init_from_env(timeout_s: float = 300.0, save_timeout_s: float = 21600.0) -> Dist:
     """The Dist of this process: torchrun's RANK / WORLD_SIZE / LOCAL_RANK when present, else one process.
 
     This is the one place that reads the launcher's environment (the launch contract, not behaviour).
     Backend: nccl when CUDA is available, else gloo; each rank on cuda:LOCAL_RANK. Collectives time
-    out after `timeout_s` with torch's error instead of hanging.
+    out after `timeout_s` with torch's error instead of hanging; checkpoint saves (their collectives
+    and the wait for rank 0's writing) run on a gloo group of their own that waits `save_timeout_s`.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
@@ -122,7 +140,8 @@ def init_from_env(timeout_s: float = 300.0) -> Dist:
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return Dist(rank=rank, world=world, local_rank=local, backend=backend)
+    ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=save_timeout_s))
+    return Dist(rank=rank, world=world, local_rank=local, backend=backend, ckpt_group=ckpt_group)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from rounding). The 2-rank jobs run as subprocesses through the real launcher.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -161,7 +162,8 @@ def test_embedded_default_job_learns_on_two_ranks(tmp_path):
 
 def test_fsdp_run_matches_one_process_and_its_checkpoint_resumes_anywhere(tmp_path):
     """FSDP2 (sharded policy, decoding inside unshard): the same run as one process; its checkpoint
-    (gathered, HF-format weights) resumes on 1 rank with the same weights and on 2 ranks."""
+    (each rank's shards, HF-format weights from rank 0) resumes on 1 rank with the same weights and
+    on 2 ranks."""
     r = _train(2, tmp_path / "fsdp", "--train.updates", "2", "--train.parallel", "fsdp")
     assert r.returncode == 0, r.stderr[-3000:]
     one = Trainer(load_config("rlengine/configs/grpo.toml", SMALL + ["--train.updates", "2", "--run.out_dir",
@@ -171,6 +173,7 @@ def test_fsdp_run_matches_one_process_and_its_checkpoint_resumes_anywhere(tmp_pa
     from rlengine.model.loader import load_pretrained
     from rlengine.rl.trainer.checkpoint import latest_checkpoint
 
+    assert len(list((latest_checkpoint(tmp_path / "fsdp") / "shards").iterdir())) == 2  # one file per rank
     ckpt = load_pretrained(latest_checkpoint(tmp_path / "fsdp") / "model", dtype=torch.float64)
     # gradients summed in another order (and fp32 behaviour log-probs): Adam's m / sqrt(v) lifts that
     # noise on near-zero gradients to ~1e-8 here, against 2 x lr = 3e-3 of real movement
@@ -250,11 +253,53 @@ def test_two_nodes_of_one_rank_reproduce_the_two_rank_run(tmp_path):
 
 
 def test_a_killed_rank_is_named_with_how_it_died():
-    from rlengine.cli_launch import how_it_ended as _how_it_ended
+    from types import SimpleNamespace as F
 
-    assert _how_it_ended(1) == "exit code 1"
+    from rlengine.cli_launch import failure_line, how_it_ended as _how_it_ended
+
+    assert _how_it_ended(1) == "exited with code 1"
     assert _how_it_ended(-9) == "killed by SIGKILL, likely out of memory (the kernel's OOM killer sends it)"
     assert _how_it_ended(-15) == "stopped by SIGTERM"
+    # the rank that failed first is named, not the ones the launcher then ended with SIGTERM
+    assert failure_line({0: F(exitcode=-15), 1: F(exitcode=-9)}, {}) == (
+        "rank 1 killed by SIGKILL, likely out of memory (the kernel's OOM killer sends it); the job was stopped "
+        "(ended with it: rank 0)")
+    assert failure_line({0: F(exitcode=1), 1: F(exitcode=-9)}, {1: 12.3}) == (
+        "rank 1 stopped (SIGSTOP or frozen) for 12 s, so the launcher killed it; the job was stopped "
+        "(ended with it: rank 0)")
+    assert failure_line({0: F(exitcode=-15), 1: F(exitcode=-15)}, {}).startswith("rank 0 stopped by SIGTERM; rank 1")
+
+
+def test_a_rank_0_save_longer_than_the_collective_timeout_does_not_fail_the_job(tmp_path):
+    """run.dist_timeout_s 4 and every rank-0 weight write slowed by 8 s (DDP's save, then FSDP's async
+    sharded saves under a training update): the other rank waits on the checkpoint group, the job
+    finishes and every checkpoint is there. (Waiting on the training group instead fails it.)"""
+    res = _two_rank_script("slow_save", tmp_path / "slow.json")
+    assert res == {"ddp": ["latest", "update-000001"],
+                   "fsdp-async": ["latest", "update-000001", "update-000002"]}
+
+
+def test_a_stopped_rank_ends_the_job_within_the_collective_timeout_and_is_named(tmp_path):
+    from rlengine.rank_watch import child_ranks
+
+    timeout = 16
+    job = subprocess.Popen([sys.executable, "-m", "rlengine", "train", "--nproc", "2", *SMALL, "--train.updates",
+                            "400", "--run.dist_timeout_s", str(timeout), "--run.out_dir", str(tmp_path / "run")],
+                           cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        assert job.poll() is None, job.stderr.read()[-3000:]
+        time.sleep(0.5)
+    rank1 = [pid for pid, (rank, _) in child_ranks(job.pid).items() if rank == 1]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGSTOP)
+    t0 = time.monotonic()
+    _, err = job.communicate(timeout=120)
+    assert time.monotonic() - t0 < timeout, err[-3000:]
+    assert job.returncode == 1
+    assert err.strip().splitlines()[-1].startswith(
+        "rlengine train: rank 1 stopped (SIGSTOP or frozen) for"), err[-3000:]
 
 
 def test_several_passes_and_batch_wide_options_equal_one_process(tmp_path):

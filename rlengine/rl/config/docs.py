@@ -105,6 +105,8 @@ FIELD_DOCS: dict[str, str] = {
     "run.overwrite": "a new run may replace the run already in out_dir",
     "run.keep_checkpoints": "keep the newest K checkpoints; 0 = all",
     "run.dist_timeout_s": "seconds a collective may wait before the job fails (several ranks)",
+    "run.save_timeout_s": "seconds ranks wait for a checkpoint save to finish (a group of its own)",
+    "run.async_checkpoint": "save checkpoints in the background (sharded, torch.distributed.checkpoint)",
     "train.ppo_epochs": "passes over each rollout batch (verl ppo_epochs, TRL num_iterations); 1 = the paper's single update",
     "train.mini_batches": "optimizer steps per pass, each on 1/mini_batches of the batch; 1 = one step",
     "train.kl_estimator": "k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10], as verl) for the KL term and KL in reward",

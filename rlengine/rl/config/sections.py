@@ -271,6 +271,8 @@ class RunSection:
     overwrite: bool = False              # a new run may replace the run already in out_dir (else an error)
     keep_checkpoints: int = 0            # keep the newest K checkpoints; 0 = all
     dist_timeout_s: float = 300.0        # a collective that waits longer than this fails the job (several ranks)
+    save_timeout_s: float = 21600.0      # how long ranks wait for a checkpoint save (its own group)
+    async_checkpoint: bool = False       # write checkpoints in the background while training goes on
 
     def __post_init__(self):
         _check("/" not in self.name and self.name not in (".", ".."),
@@ -279,6 +281,7 @@ class RunSection:
             self.out_dir = f"runs/{self.name}"
         _check(self.samples_every >= 0, f"run.samples_every must be >= 0, got {self.samples_every}")
         _check(self.dist_timeout_s > 0, f"run.dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
+        _check(self.save_timeout_s > 0, f"run.save_timeout_s must be > 0 seconds, got {self.save_timeout_s}")
         _check(self.keep_checkpoints >= 0, f"run.keep_checkpoints must be >= 0 (0 keeps all), got {self.keep_checkpoints}")
         if self.tensorboard:
             import importlib.util

@@ -1,5 +1,7 @@
 """Run checkpoints: HF-format weights plus fp32 masters, KL reference, optimizer, RNG, sampler and counters.
 
+Two layouts, both loadable at any world size: the one below, written by rank 0 (one process, DDP),
+and sharded.py's, where each rank writes its own shard (FSDP, and every run.async_checkpoint save).
 Layout: RUN_DIR/checkpoints/update-000040/{model/ (config.json + model.safetensors),
 master.safetensors, ref.safetensors, critic.safetensors, critic_master.safetensors,
 optim.safetensors, optim.json, state.json} (master/ref/critic files only when the learner has
@@ -25,7 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlengine.model.loader import CheckpointError, load_pretrained, save_pretrained
-from rlengine.rl.distributed import full_tensor
+from rlengine.rl.distributed import Dist, full_tensor, is_sharded
+from rlengine.rl.trainer.sharded import SHARDS, PendingSave, load_sharded, save_sharded
 
 # The points of save_checkpoint at which `on_stage` is called, in order (crash tests kill there).
 STAGES = (
@@ -144,23 +147,38 @@ def save_checkpoint(run_dir: Path, update: int, *, model, learner, state: dict,
     learner: .opt, .critic/.critic_opt (or None), .ref (or None), and optionally .master_params
     and .critic_master_params (fp32, one per trainable parameter in parameters() order, or None).
     on_stage(stage) is called at each of STAGES (tests inject crashes there). Copies every tensor
-    to the CPU (a host sync) and fsyncs every file and directory it writes. Several ranks: every
-    rank calls it (FSDP shards are gathered), only the one with write=True writes (the model must
-    hold full parameters: under FSDP, call it inside Dist.unsharded). keep > 0: afterwards only the
-    newest `keep` checkpoints stay (the one `latest` names always among them).
+    to the CPU (a host sync) and fsyncs every file and directory it writes. Several unsharded
+    ranks: every rank calls it, only the one with write=True writes (FSDP-sharded learners are
+    saved by sharded.py instead). keep > 0: afterwards only the newest `keep` checkpoints stay
+    (the one `latest` names always among them).
     """
     on_stage = on_stage or (lambda stage: None)
     files = _gather(learner)
-    ckpt_root = run_dir / "checkpoints"
     if not write:
-        return ckpt_root
+        return run_dir / "checkpoints"
+    ckpt_root, name, tmp = begin_checkpoint(run_dir, update)
+    _write_files(tmp, files, model=model, state=state, on_stage=on_stage)
+    return publish(ckpt_root, name, update, keep=keep, on_stage=on_stage)
+
+
+def begin_checkpoint(run_dir: Path, update: int) -> tuple[Path, str, Path]:
+    """(checkpoints/, a fresh name for `update`, its new empty .tmp-<name> directory)."""
+    ckpt_root = run_dir / "checkpoints"
     if not ckpt_root.is_dir():
         ckpt_root.mkdir(parents=True)
         _fsync(run_dir)
     name = _fresh_name(ckpt_root, update)
-    tmp, final = ckpt_root / f".tmp-{name}", ckpt_root / name
+    tmp = ckpt_root / f".tmp-{name}"
     tmp.mkdir()
-    _write_files(tmp, files, model=model, state=state, on_stage=on_stage)
+    return ckpt_root, name, tmp
+
+
+def publish(ckpt_root: Path, name: str, update: int, *, keep: int = 0,
+            on_stage: Callable[[str], None] | None = None) -> Path:
+    """Make the complete .tmp-<name> the checkpoint `latest` names (the crash-safe order in the module
+    docstring), then remove superseded and leftover directories and all but the newest `keep`."""
+    on_stage = on_stage or (lambda stage: None)
+    tmp, final = ckpt_root / f".tmp-{name}", ckpt_root / name
     _fsync_tree(tmp)
     on_stage("written")
     tmp.rename(final)
@@ -226,16 +244,21 @@ def _load_ref(file: Path, ref: torch.nn.Module) -> None:
         t.copy_(_like(saved[name], t))
 
 
-def load_checkpoint(path: Path, *, model, learner) -> dict:
+def load_checkpoint(path: Path, *, model, learner, dist=None) -> dict:
     """Restore in place (the engine keeps sharing the weights): model, masters, ref, optimizers, critic.
 
     Returns state.json. With master_params the model ends up holding the rounded saved masters;
-    a checkpoint without ref.safetensors (older layout) leaves learner.ref as it is.
+    a checkpoint without ref.safetensors (older layout) leaves learner.ref as it is. Either layout
+    (one file per kind, or sharded.py's shards) loads into any world size and sharding; dist: this
+    rank (the shards' loading is collective), default one process.
     """
     saved = load_pretrained(path / "model", dtype=model.dtype, device="cpu")
     with torch.no_grad():
         for p, q in zip(model.parameters(), saved.parameters()):
             p.copy_(_like(q, p))
+    if (path / SHARDS).is_dir():
+        load_sharded(path, model=model, learner=learner, dist=dist or Dist())
+        return json.loads((path / "state.json").read_text())
     masters = getattr(learner, "master_params", None)
     if masters is not None:
         _load_masters(path / "master.safetensors", model, masters)
@@ -257,26 +280,35 @@ def load_checkpoint(path: Path, *, model, learner) -> dict:
 
 
 def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collector, sampler, dist,
-             keep: int = 0) -> Path:
+             keep: int = 0, asynchronous: bool = False) -> PendingSave | Path:
     """Checkpoint a run at an update boundary: the weights, the learner's state and everything the
     loop needs to continue as if never stopped (counters, prompt sampler, torch and engine RNGs).
-    Async in-flight rollouts are drained, not saved: they are regenerated after a resume."""
+    Async in-flight rollouts are drained, not saved: they are regenerated after a resume.
+
+    An FSDP-sharded learner, or `asynchronous`, saves shards (sharded.py) and returns the PendingSave
+    (asynchronous: still being written; wait() on every rank, then dist.wait_for_save()). Otherwise
+    rank 0 writes one file per kind and every rank returns once it is published.
+    """
     collector.drain()
     state = {"update": update, "N": n, "weight_version": llm.weight_version,
              "sampler": sampler.state_dict(), "torch_rng": torch.get_rng_state().tolist(),
              "engine_rng": llm.runner.sampler.generator.get_state().tolist(),
              "ready": len(collector.ready), "next_request": collector.next_request, "world_size": dist.world}
     collector.ready.clear()
-    with dist.unsharded(*(m for m in (model, learner.ref, learner.critic) if m is not None)):
-        path = save_checkpoint(run_dir, update, model=model, learner=learner, state=state, write=dist.is_main,
-                               keep=keep)
-    dist.barrier()  # no rank resumes or exits before the checkpoint is complete
+    if asynchronous or is_sharded(model):
+        pending = save_sharded(run_dir, update, model=model, learner=learner, state=state, dist=dist,
+                               asynchronous=asynchronous, keep=keep)
+        if not asynchronous:
+            dist.wait_for_save()
+        return pending
+    path = save_checkpoint(run_dir, update, model=model, learner=learner, state=state, write=dist.is_main, keep=keep)
+    dist.wait_for_save()  # no rank resumes or exits before the checkpoint is complete, however long it took
     return path
 
 
-def resume_run(resume_dir: Path, *, model, learner, llm, collector, sampler) -> tuple[int, int]:
+def resume_run(resume_dir: Path, *, model, learner, llm, collector, sampler, dist=None) -> tuple[int, int]:
     """Load RESUME_DIR's latest checkpoint into a freshly built run; returns (update, N)."""
-    state = load_checkpoint(latest_checkpoint(resume_dir), model=model, learner=learner)
+    state = load_checkpoint(latest_checkpoint(resume_dir), model=model, learner=learner, dist=dist)
     collector.next_request = state.get("next_request", 0)
     llm.weight_version = state["weight_version"]
     sampler.load_state_dict(state["sampler"])

@@ -75,7 +75,7 @@ class Trainer:
         self.resume_dir = Path(resume_from) if resume_from is not None else (self.run_dir if resume else None)
         if self.resume_dir is None:  # a new run: never silently into another run's directory (checked
             check_new_run(self.run_dir, cfg.run.overwrite)  # before the first collective: no rank wrote yet)
-        self.dist = dist if dist is not None else init_from_env(cfg.run.dist_timeout_s)
+        self.dist = dist if dist is not None else init_from_env(cfg.run.dist_timeout_s, cfg.run.save_timeout_s)
         self.dist.check_same("config", cfg.to_dict())
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -89,6 +89,7 @@ class Trainer:
         self.outputs = RunOutputs(self.run_dir, tensorboard=cfg.run.tensorboard, write=self.dist.is_main,
                                   wandb=cfg.to_dict() if cfg.run.wandb else None, wandb_project=cfg.run.wandb_project)
         self.update, self.N, self.history, self._saved = 0, 0, [], -1  # _saved: update last checkpointed
+        self._pending = None  # the checkpoint save still being written (run.async_checkpoint)
         self.telemetry = NvmlSampler.for_device(self.model.device)  # the GPU this rank uses, if any
         self.timer = PhaseTimer(self.model.device)  # t_gen / t_train; syncs only at phase ends
         self.llm.phase_listener = self.telemetry
@@ -175,6 +176,7 @@ class Trainer:
                 self._loop(last, stop_when, stop)
             if self._saved != self.update:  # the last update is saved once; a finished run, not again
                 self.checkpoint()
+            self.wait_for_checkpoint()
         finally:  # a reward pool's workers never outlive the run, whatever ended it
             self.parts.close()
             self.outputs.close()
@@ -227,15 +229,31 @@ class Trainer:
         self.history.append(record)
         self.outputs.log(record)
 
-    def checkpoint(self) -> Path:
-        self._saved = self.update
-        return save_run(self.run_dir, update=self.update, n=self.N, model=self.model, learner=self.learner,
-                        llm=self.llm, collector=self.collector, sampler=self.sampler, dist=self.dist,
-                        keep=self.cfg.run.keep_checkpoints)
+    def checkpoint(self) -> Path | None:
+        """Save this update (run.async_checkpoint: start saving it; returns None); the save before it
+        is finished first."""
+        self.wait_for_checkpoint()
+        self._saved, asynchronous = self.update, self.cfg.run.async_checkpoint
+        saved = save_run(self.run_dir, update=self.update, n=self.N, model=self.model, learner=self.learner,
+                         llm=self.llm, collector=self.collector, sampler=self.sampler, dist=self.dist,
+                         keep=self.cfg.run.keep_checkpoints, asynchronous=asynchronous)
+        if asynchronous:
+            self._pending = saved
+            return None
+        return saved if isinstance(saved, Path) else saved.wait()
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until the save in flight is on disk on every rank; returns its directory (rank 0)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        path = pending.wait()
+        self.dist.wait_for_save()
+        return path
 
     def _resume(self) -> None:
         self.update, self.N = resume_run(self.resume_dir, model=self.model, learner=self.learner, llm=self.llm,
-                                         collector=self.collector, sampler=self.sampler)
+                                         collector=self.collector, sampler=self.sampler, dist=self.dist)
         if self.resume_dir.resolve() == self.run_dir.resolve():
             self._saved = self.update  # already on disk here: a finished run resumed rewrites nothing
         self.history = keep_metrics_through(self.resume_dir, self.run_dir, self.update, self.cfg, self.outputs,

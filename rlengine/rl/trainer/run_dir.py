@@ -25,7 +25,7 @@ def _check(cond: bool, msg: str) -> None:
 # saved, never what an update computes. Any other override on --resume is an error.
 RESUME_OVERRIDABLE = ("train.updates", "eval.*", "run.checkpoint_every", "run.progress", "run.out_dir",
                       "run.samples_every", "run.tensorboard", "run.wandb", "run.wandb_project", "run.keep_checkpoints",
-                      "run.dist_timeout_s")
+                      "run.dist_timeout_s", "run.save_timeout_s", "run.async_checkpoint")
 
 
 def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> TrainConfig:
