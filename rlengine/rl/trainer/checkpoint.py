@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from rlengine.model.loader import CheckpointError, load_pretrained, save_pretrained
 from rlengine.rl.distributed import Dist, full_tensor, is_sharded
+from rlengine.rl.trainer.ckpt_files import begin_checkpoint, publish, trainable, unique_state
 from rlengine.rl.trainer.sharded import SHARDS, PendingSave, load_sharded, save_sharded
 
 # The points of save_checkpoint at which `on_stage` is called, in order (crash tests kill there).
@@ -54,17 +54,6 @@ def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: full_tensor(v.detach()).cpu().contiguous() for k, v in tensors.items()}
 
 
-def _unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """state_dict with each tensor once: safetensors refuses shared storage (tied lm_head/embed_tokens)."""
-    seen: set[int] = set()
-    out = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[name] = t
-    return out
-
-
 def _optim_to_files(opt: torch.optim.Optimizer, prefix: str) -> tuple[dict, dict]:
     sd = opt.state_dict()
     tensors = {f"{prefix}.{i}.{k}": full_tensor(v.detach()).cpu().contiguous()
@@ -82,22 +71,6 @@ def _optim_from_files(opt: torch.optim.Optimizer, tensors: dict, meta: dict, pre
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every file, then every directory bottom-up, so the rename publishes durable contents."""
-    for dirpath, _, filenames in os.walk(root, topdown=False):
-        for f in filenames:
-            _fsync(Path(dirpath) / f)
-        _fsync(Path(dirpath))
-
-
 def _gather(learner) -> dict[str, dict]:
     """Every tensor file of a checkpoint but the model's, as CPU tensors: {file stem: tensors}.
     Under FSDP the masters and optimizer states are all-gathered here, on every rank in the same order."""
@@ -107,7 +80,7 @@ def _gather(learner) -> dict[str, dict]:
         if masters is not None:
             files[file] = _cpu({f"master.{i}": m for i, m in enumerate(masters)})
     if learner.ref is not None:
-        files["ref"] = _cpu(_unique_state(learner.ref))
+        files["ref"] = _cpu(unique_state(learner.ref))
     tensors, meta = _optim_to_files(learner.opt, "actor")
     files["_metas"] = {"actor": meta}
     if learner.critic is not None:
@@ -127,17 +100,6 @@ def _write_files(out: Path, files: dict[str, dict], *, model, state: dict, on_st
         save_file(tensors, str(out / f"{stem}.safetensors"))
     (out / "optim.json").write_text(json.dumps(metas))
     (out / "state.json").write_text(json.dumps(state))
-
-
-def _fresh_name(ckpt_root: Path, update: int) -> str:
-    """update-000040, or update-000040.N for the first N whose directory (or .tmp- twin) is unused."""
-    base = f"update-{update:06d}"
-    taken = {p.name for p in ckpt_root.iterdir()}
-    name, n = base, 0
-    while name in taken or f".tmp-{name}" in taken:
-        n += 1
-        name = f"{base}.{n}"
-    return name
 
 
 def save_checkpoint(run_dir: Path, update: int, *, model, learner, state: dict,
@@ -161,49 +123,6 @@ def save_checkpoint(run_dir: Path, update: int, *, model, learner, state: dict,
     return publish(ckpt_root, name, update, keep=keep, on_stage=on_stage)
 
 
-def begin_checkpoint(run_dir: Path, update: int) -> tuple[Path, str, Path]:
-    """(checkpoints/, a fresh name for `update`, its new empty .tmp-<name> directory)."""
-    ckpt_root = run_dir / "checkpoints"
-    if not ckpt_root.is_dir():
-        ckpt_root.mkdir(parents=True)
-        _fsync(run_dir)
-    name = _fresh_name(ckpt_root, update)
-    tmp = ckpt_root / f".tmp-{name}"
-    tmp.mkdir()
-    return ckpt_root, name, tmp
-
-
-def publish(ckpt_root: Path, name: str, update: int, *, keep: int = 0,
-            on_stage: Callable[[str], None] | None = None) -> Path:
-    """Make the complete .tmp-<name> the checkpoint `latest` names (the crash-safe order in the module
-    docstring), then remove superseded and leftover directories and all but the newest `keep`."""
-    on_stage = on_stage or (lambda stage: None)
-    tmp, final = ckpt_root / f".tmp-{name}", ckpt_root / name
-    _fsync_tree(tmp)
-    on_stage("written")
-    tmp.rename(final)
-    _fsync(ckpt_root)
-    pointer = ckpt_root / "latest.tmp"
-    pointer.write_text(name)
-    _fsync(pointer)
-    on_stage("before-pointer")
-    os.replace(pointer, ckpt_root / "latest")
-    _fsync(ckpt_root)
-    on_stage("after-pointer")
-    base = f"update-{update:06d}"
-    for p in ckpt_root.iterdir():
-        superseded = p.name == base or p.name.startswith(base + ".")
-        if p.is_dir() and p.name != name and (superseded or p.name.startswith(".tmp-")):
-            shutil.rmtree(p)
-    if keep:
-        saved = sorted((p for p in ckpt_root.iterdir() if p.is_dir() and p.name.startswith("update-")),
-                       key=lambda p: p.stat().st_mtime_ns)
-        for p in saved[:-keep]:
-            if p.name != name:
-                shutil.rmtree(p)
-    return final
-
-
 def latest_checkpoint(run_dir: Path) -> Path:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.is_file():
@@ -211,15 +130,10 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / pointer.read_text().strip()
 
 
-def _trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters masters align with (all of them unless some are frozen), in parameters() order."""
-    return [p for p in module.parameters() if p.requires_grad]
-
-
 @torch.no_grad()
 def _load_masters(file: Path, module: torch.nn.Module, masters: list[torch.Tensor]) -> None:
     """Saved fp32 masters into `masters` in place, then each rounded master into its parameter in place."""
-    params = _trainable(module)
+    params = trainable(module)
     if len(masters) != len(params):
         raise CheckpointError(f"{len(masters)} master tensors for {len(params)} trainable parameters")
     if file.is_file():
@@ -238,7 +152,7 @@ def _load_masters(file: Path, module: torch.nn.Module, masters: list[torch.Tenso
 @torch.no_grad()
 def _load_ref(file: Path, ref: torch.nn.Module) -> None:
     saved = load_file(str(file))
-    for name, t in _unique_state(ref).items():
+    for name, t in unique_state(ref).items():
         if name not in saved:
             raise CheckpointError(f"{file}: missing tensor {name!r}")
         t.copy_(_like(saved[name], t))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from rlengine.model.loader import CheckpointError, hf_export, write_hf_export
+from rlengine.rl.trainer.ckpt_files import begin_checkpoint, publish, trainable, unique_state
 
 SHARDS = "shards"
 
@@ -31,15 +32,13 @@ SHARDS = "shards"
 def learner_state(learner) -> tuple[dict[str, torch.Tensor], dict]:
     """The learner's tensors under their shard keys (DTensors stay sharded: nothing is gathered), and
     optim.json's content (each optimizer's param_groups and which state keys each parameter has)."""
-    from rlengine.rl.trainer.checkpoint import _unique_state
-
     out: dict[str, torch.Tensor] = {}
     for prefix in ("master", "critic_master"):
         for i, m in enumerate(getattr(learner, f"{prefix}_params", None) or []):
             out[f"{prefix}.{i}"] = m.detach()
     for prefix, module in (("ref", learner.ref), ("critic", learner.critic)):
         if module is not None:
-            out.update({f"{prefix}.{n}": t.detach() for n, t in _unique_state(module).items()})
+            out.update({f"{prefix}.{n}": t.detach() for n, t in unique_state(module).items()})
     metas = {}
     for name, opt in _optimizers(learner):
         sd = opt.state_dict()
@@ -100,8 +99,6 @@ def save_sharded(run_dir: Path, update: int, *, model, learner, state: dict, dis
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
-    from rlengine.rl.trainer.checkpoint import begin_checkpoint, publish
-
     on_stage = on_stage or (lambda stage: None)
     ckpt_root, name = run_dir / "checkpoints", None
     if dist.is_main:
@@ -141,8 +138,6 @@ def load_sharded(path: Path, *, model, learner, dist) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from rlengine.rl.trainer.checkpoint import _trainable
-
     reader = HuggingFaceStorageReader(str(path / SHARDS))
     saved = reader.read_metadata().state_dict_metadata
     metas = json.loads((path / "optim.json").read_text())
@@ -178,7 +173,7 @@ def load_sharded(path: Path, *, model, learner, dist) -> None:
         masters = getattr(learner, f"{prefix}_params", None)
         if masters is None:
             continue
-        params = _trainable(module)
+        params = trainable(module)
         if not masters_saved[prefix]:
             for m, p in zip(masters, params):
                 m.copy_(p)
