@@ -18,7 +18,6 @@ no pickle anywhere.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
