@@ -198,9 +198,10 @@ def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collect
     loop needs to continue as if never stopped (counters, prompt sampler, torch and engine RNGs).
     Async in-flight rollouts are drained, not saved: they are regenerated after a resume.
 
-    An FSDP-sharded learner, or `asynchronous`, saves shards (sharded.py) and returns the PendingSave
-    (asynchronous: still being written; wait() on every rank, then dist.wait_for_save()). Otherwise
-    rank 0 writes one file per kind and every rank returns once it is published.
+    An FSDP-sharded learner, or `asynchronous`, saves shards (sharded.py); `asynchronous` returns the
+    PendingSave
+    while it is still being written (wait() on every rank, then dist.wait_for_save()); otherwise every
+    rank returns once the checkpoint is published (its directory on rank 0).
     """
     collector.drain()
     state = {"update": update, "N": n, "weight_version": llm.weight_version,
@@ -211,10 +212,12 @@ def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collect
     if asynchronous or is_sharded(model):
         pending = save_sharded(run_dir, update, model=model, learner=learner, state=state, dist=dist,
                                asynchronous=asynchronous, keep=keep)
-        if not asynchronous:
-            dist.wait_for_save()
-        return pending
-    path = save_checkpoint(run_dir, update, model=model, learner=learner, state=state, write=dist.is_main, keep=keep)
+        if asynchronous:
+            return pending
+        path = pending.wait()
+    else:
+        path = save_checkpoint(run_dir, update, model=model, learner=learner, state=state, write=dist.is_main,
+                               keep=keep)
     dist.wait_for_save()  # no rank resumes or exits before the checkpoint is complete, however long it took
     return path
 

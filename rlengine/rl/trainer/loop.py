@@ -240,7 +240,7 @@ class Trainer:
         if asynchronous:
             self._pending = saved
             return None
-        return saved if isinstance(saved, Path) else saved.wait()
+        return saved
 
     def wait_for_checkpoint(self) -> Path | None:
         """Block until the save in flight is on disk on every rank; returns its directory (rank 0)."""

@@ -14,6 +14,7 @@ on Dist.ckpt_group, whose timeout is run.save_timeout_s, not the training collec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import warnings
@@ -54,6 +55,15 @@ def _optimizers(learner):
     return [(n, o) for n, o in (("actor", learner.opt), ("critic", learner.critic_opt)) if o is not None]
 
 
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP's notes on a single-process save or load (it assumes one on purpose here): not the user's concern."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.checkpoint")
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.checkpoint")
+        yield
+
+
 def _dcp_kwargs(dist) -> dict:
     return {"process_group": dist.ckpt_group} if dist.enabled else {"no_dist": True}
 
@@ -70,8 +80,7 @@ class PendingSave:
 
     def _run(self, future, finish) -> None:
         try:
-            with warnings.catch_warnings():  # DCP's notes on a single-process save, from this thread too
-                warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.checkpoint")
+            with _quiet_dcp():  # an async save's writing goes on in this thread
                 if future is not None:
                     future.result()
                 self._result.append(finish() if finish is not None else None)
@@ -117,9 +126,7 @@ def save_sharded(run_dir: Path, update: int, *, model, learner, state: dict, dis
         (tmp / "state.json").write_text(json.dumps(state))
         return publish(ckpt_root, name, update, keep=keep, on_stage=on_stage)
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.checkpoint")
-        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed.checkpoint")
+    with _quiet_dcp():
         if asynchronous:
             future = dcp.async_save(tensors, storage_writer=writer, **_dcp_kwargs(dist))
         else:
@@ -162,8 +169,7 @@ def load_sharded(path: Path, *, model, learner, dist) -> None:
             del targets[key]  # saved without masters: the loaded weights are all there is
         elif key not in saved:
             raise CheckpointError(f"{path / SHARDS}: missing tensor {key!r}")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.checkpoint")
+    with _quiet_dcp():
         dcp.load(targets, storage_reader=reader, **_dcp_kwargs(dist))
     for name, opt in _optimizers(learner):
         state = {int(i): {k: targets[f"optim.{name}.{i}.{k}"] for k in keys}
