@@ -21,10 +21,10 @@ def cmd_info(args) -> int:
         return kernels_info(args.kernels, args.kernels_dtype, args.cpu_kernels, args.save)
     if args.plan:  # the per-device memory plan of a training config, and its B_KV
         from rlengine.analysis.memory_plan import GiB
-        from rlengine.rl.trainer.memory import device_memory, engine_max_model_len, plan_for_config
         from rlengine.config import ConfigError
         from rlengine.preflight import check_model
         from rlengine.rl.config import load_config
+        from rlengine.rl.trainer.memory import device_memory, job_shape, plan_job, sequences_per_rank
 
         if args.device_memory is not None and not args.device_memory > 0:
             raise ConfigError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
@@ -32,10 +32,12 @@ def cmd_info(args) -> int:
         check_model(cfg.model.name, "model.name")
         mem, source = (int(args.device_memory * GiB), "--device-memory") if args.device_memory else device_memory()
         cuda = args.device_memory is not None or torch.cuda.is_available()
-        plan = plan_for_config(cfg, device_bytes=mem, max_model_len=engine_max_model_len(cfg),
-                               device_type="cuda" if cuda else "cpu")
+        plan = plan_job(cfg, job_shape(cfg), device_bytes=mem, device_type="cuda" if cuda else "cpu")
         print(f"memory plan of {args.plan} ({cfg.model.name}, {cfg.model.dtype}; device memory from {source}):")
         print("\n".join("  " + line for line in plan.lines()))
+        if not cfg.train.micro_batch:
+            print(f"  train.micro_batch = 0: micro-batches of {plan.micro_batch} sequences (of "
+                  f"{sequences_per_rank(cfg)}), the largest the plan fits")
         return 0
 
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")

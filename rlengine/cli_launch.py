@@ -24,6 +24,7 @@ def launch(args, train_config) -> int:
         raise ConfigError(f"--nnodes must be >= 1 and --node-rank in [0, {args.nnodes}), got --nnodes "
                           f"{args.nnodes} --node-rank {args.node_rank}")
     cfg = train_config(args)
+    check_host_memory(cfg, args.nproc, args.nproc * args.nnodes)
     argv = ["train"] + (["--config", args.config] if args.config else []) + ["--algo", args.algo]
     argv += (["--resume", args.resume] if args.resume else []) + list(args.overrides)
     argv += [] if args.resume else ["--run.out_dir", cfg.run.out_dir]  # every rank writes where this one chose
@@ -58,6 +59,28 @@ def launch(args, train_config) -> int:
         print(f"rlengine train: {failure_line(exc.failures, watch.killed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def check_host_memory(cfg, nproc: int, world: int) -> None:
+    """CPU ranks share this host: refuse, before any rank starts, a job whose per-rank memory plan
+    (each of the nproc ranks gets an equal share of the available RAM) does not fit; the ranks plan
+    with the same share (rl/trainer/memory.py's RANK_MEMORY_ENV). GPU ranks each plan their own device."""
+    import os
+
+    import torch
+
+    from rlengine.config import ConfigError
+
+    if torch.cuda.is_available() or cfg.model.device not in ("auto", "cpu"):
+        return
+    from rlengine.rl.trainer.memory import RANK_MEMORY_ENV, host_memory_per_rank, job_shape, plan_job
+
+    share, _ = host_memory_per_rank(nproc, own=False)
+    try:
+        plan_job(cfg, job_shape(cfg), device_bytes=share, device_type="cpu", world_size=world)
+    except ConfigError as exc:
+        raise ConfigError(f"--nproc {nproc} on this host: {exc}") from None
+    os.environ[RANK_MEMORY_ENV] = str(share)  # the ranks inherit it
 
 
 def failure_line(failures: dict, stopped: dict[int, float]) -> str:

@@ -15,7 +15,7 @@ import pytest
 
 from rlengine import LLM, SamplingParams
 from rlengine.analysis.memory import training_state_bytes
-from rlengine.analysis.memory_plan import GiB, activation_bytes, plan_memory
+from rlengine.analysis.memory_plan import GiB, activation_bytes, plan_memory, sampler_bytes
 from rlengine.rl.trainer.memory import plan_for_config
 from rlengine.analysis.roofline import b_kv, kv_bytes_per_seq
 from rlengine.config import ConfigError, preset
@@ -51,11 +51,28 @@ def test_parts_add_up_and_b_kv_is_papers_formula():
     assert plan.b_kv >= plan.b_gen and any("fits" in line for line in plan.lines())
 
 
-def test_activation_estimate_counts_materialised_logits():
+def test_learner_and_sampler_take_turns_in_the_runtime():
+    """M_runtime = max(activations, sampler workspace) + reserve: training and generation never overlap."""
     cfg = preset("qwen3-30m")
-    fused, processed = (activation_bytes(cfg, 1000, "bfloat16", materialized_logits=m) for m in (False, True))
-    assert processed - fused == 1000 * cfg.vocab_size * 4 * 3
-    assert activation_bytes(cfg, 2000, "bfloat16") == 2 * fused  # linear in tokens
+    kw = dict(device_bytes=8 * GiB, dtype="bfloat16", max_model_len=512, micro_batch_tokens=4096, reserve=GiB)
+    small, large = (plan_memory(cfg, sampler=n, **kw) for n in (2**20, 4 * GiB))
+    assert small.runtime == small.activations + GiB and large.runtime == 4 * GiB + GiB
+    assert large.num_kv_blocks < small.num_kv_blocks
+    filtered = sampler_bytes(64, cfg.vocab_size, "bfloat16", filtered=True)
+    assert filtered == 64 * cfg.vocab_size * (2 + 4 * 11) > sampler_bytes(64, cfg.vocab_size, "bfloat16", filtered=False)
+    processed = plan_memory(cfg, logprobs_mode="processed", **kw)
+    assert processed.activations > small.activations  # the processed head keeps more per chunk
+
+
+def test_a_fixed_pool_that_overruns_the_budget_is_refused():
+    """The CPU trainer sizes its own pool: the plan checks it fits, naming the parts."""
+    cfg = preset("tiny")
+    kw = dict(dtype="float32", max_model_len=S, micro_batch_tokens=64, reserve=2**20, num_kv_blocks=40)
+    need = plan_memory(cfg, device_bytes=2**40, **kw)
+    used = need.training_state + need.runtime + need.kv_bytes
+    assert plan_memory(cfg, device_bytes=math.ceil(used / 0.9), **kw).check().fits
+    with pytest.raises(ConfigError, match=r"memory plan: the job needs .* per rank .* KV pool .* \(40 blocks\)"):
+        plan_memory(cfg, device_bytes=int(used / 0.9) - 4096, **kw).check()
 
 
 def _grpo_job(plan) -> dict:
@@ -98,6 +115,7 @@ def test_plan_for_a_train_config_and_the_cli(capsys):
     assert main(["info", "--plan", "rlengine/configs/grpo.toml", "--device-memory", "80"]) == 0
     out = capsys.readouterr().out
     assert "B_KV = floor((alpha*C_mem - M_weights - M_runtime) / m_KV(S))" in out and "KV pool" in out
+    assert "train.micro_batch = 0: micro-batches of" in out and "sampler workspace" in out
     assert main(["info", "--plan", "rlengine/configs/grpo.toml", "--device-memory", "0.0001"]) == 2
     assert "one group of G=" in capsys.readouterr().err
 

@@ -56,3 +56,26 @@ def test_nvml_samples_this_process_gpu():
     assert summary.available and summary.power_source in ("instant", "average")
     assert summary.phases["decode"].seconds > 0
     s.close()
+
+
+def test_cuda_trainer_measures_the_learner_peak_under_the_estimate(tmp_path, capsys):
+    """The CUDA trainer runs one learner micro-step before sizing the KV pool: the plan says
+    "measured", and the measured peak lies under the estimate (an upper bound) and above its saved part."""
+    from rlengine.analysis.activations import activation_parts
+    from rlengine.config import preset
+    from rlengine.rl.config import load_config
+    from rlengine.rl.trainer import Trainer
+    from rlengine.rl.trainer.memory import learner_head
+
+    tc = load_config("rlengine/configs/grpo.toml", [
+        "--model.dtype", "bfloat16", "--warmstart.steps", "0", "--train.updates", "1", "--train.prompts_per_step", "8",
+        "--train.group_size", "4", "--task.num_eval", "4", "--run.progress", "false",
+        "--run.out_dir", str(tmp_path / "run")])
+    tr = Trainer(tc)
+    plan = tr.memory_plan
+    assert plan.activations_measured and "activations: measured" in capsys.readouterr().out
+    head, mode = learner_head(tc, "cuda")
+    est = activation_parts(preset(tc.model.name), plan.micro_batch * plan.max_model_len, "bfloat16", head=head,
+                           mode=mode)
+    assert est.saved < plan.activations <= est.total, (est.saved, plan.activations, est.total)
+    tr.parts.close()

@@ -13,6 +13,7 @@ import torch
 
 from rlengine import LLM
 from rlengine.analysis.memory import reference_device_params, training_state_bytes
+from rlengine.analysis.activations import activation_parts, layer_saved
 from rlengine.analysis.memory_plan import activation_bytes
 from rlengine.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
@@ -57,11 +58,10 @@ def test_activation_checkpointing_cuts_saved_bytes_and_keeps_the_gradients():
     assert ckpt + inputs < 0.5 * plain, (plain, ckpt, inputs)
     for a, b in zip(g_plain, g_ckpt):
         assert torch.equal(a, b)
-    # the plan: each layer's saved tensors (per token 4C + 4(H + Hkv)D + 3F, equal for the dense layers
-    # here) become its input C, plus one layer's worth recomputed at a time
-    per_layer = 4 * C + 4 * (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim + 3 * cfg.intermediate_size
-    est, est_ckpt = activation_bytes(cfg, T, "float32"), activation_bytes(cfg, T, "float32", checkpointing=True)
-    assert est - est_ckpt == T * 4 * ((L - 1) * per_layer - L * C)
+    # the plan: each layer's saved tensors become its input (s C), plus one layer recomputed at a time
+    plain_est, ckpt_est = (activation_parts(cfg, T, "float32", checkpointing=c) for c in (False, True))
+    assert plain_est.saved - ckpt_est.saved == sum(layer_saved(cfg, i, 4, T, T) for i in range(L)) - L * T * C * 4
+    assert ckpt_est.total < plain_est.total
 
 
 def test_learner_uses_checkpointing_with_unchanged_gradients():
@@ -125,7 +125,8 @@ def test_memory_plan_counts_checkpointing_and_the_streamed_reference():
                         ("offload", ["--train.ref_offload=true"])):
         tc = load_config("rlengine/configs/grpo.toml", base + extra)
         plans[name] = plan_for_config(tc, device_bytes=64 * 2**30, max_model_len=64, device_type="cpu")
-    tokens = plans["plain"].activations // activation_bytes(cfg, 1, "float32")
+    tokens = plans["plain"].micro_batch * 64  # micro-batch sequences x max_model_len
+    assert plans["plain"].activations == activation_bytes(cfg, tokens, "float32")
     assert plans["ckpt"].activations == activation_bytes(cfg, tokens, "float32", checkpointing=True)
     assert plans["ckpt"].activations < plans["plain"].activations
     assert plans["plain"].training_state - plans["offload"].training_state == full - streamed

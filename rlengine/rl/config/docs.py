@@ -58,7 +58,7 @@ FIELD_DOCS: dict[str, str] = {
     "train.master_weights": "fp32 master weights: auto (when the model is not fp32) | fp32 | none",
     "train.parallel": "several ranks: none | ddp | fsdp; auto = ddp when the world size is > 1",
     "train.betas": "AdamW (beta1, beta2)",
-    "train.micro_batch": "sequences per micro-batch (gradients accumulate); 0 = the whole batch at once",
+    "train.micro_batch": "sequences per micro-batch (gradients accumulate); 0 = the largest the memory plan fits",
     "train.max_grad_norm": "clip the global gradient norm of actor (and critic) to this before each step",
     "train.skip_zero_grad": "skip the optimizer step when the policy gradient is exactly 0 (no signal)",
     "train.clip_low": "PPO ratio clip: lower epsilon (ratio >= 1 - clip_low)",

@@ -133,7 +133,7 @@ class TrainSection(UpdateOptions):
     master_weights: str = "auto"         # auto (fp32 when the model dtype is not fp32) | fp32 | none
     parallel: str = "auto"               # several ranks: none | ddp | fsdp; auto = ddp when world size > 1
     betas: tuple[float, float] = (0.9, 0.99)
-    micro_batch: int = 0                 # sequences per micro-batch; 0 = whole batch
+    micro_batch: int = 0                 # sequences per micro-batch; 0 = the largest the memory plan fits
     max_grad_norm: float = 1.0
     # An update whose policy gradient is exactly 0 (GRPO: every group all-pass or all-fail, so every
     # advantage is 0) has nothing to learn; Adam would still move the weights on its momentum. true: no

@@ -19,14 +19,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+# rows per chunk: one [T_c, V] fp32 block of 2**23 elements (32 MiB, 55 rows at V = 151,936); the
+# memory plan (analysis/activations.py) counts the head's workspace from the same numbers
+from rlengine.analysis.activations import head_chunk_tokens as chunk_tokens_for
+
 HeadFn = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-
-CHUNK_ELEMS = 2**23  # [T_c, V] fp32 elements of one chunk (32 MiB): 55 rows at V = 151,936
-
-
-def chunk_tokens_for(vocab_size: int, chunk_elems: int = CHUNK_ELEMS) -> int:
-    """Rows per chunk: as many as keep one [T_c, V] block at chunk_elems elements (at least 1)."""
-    return max(1, chunk_elems // max(1, vocab_size))
 
 
 def _acc_dtype(w: Tensor) -> torch.dtype:

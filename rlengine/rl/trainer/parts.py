@@ -30,7 +30,8 @@ from rlengine.rl.distributed import Dist
 from rlengine.rl.learner.learner import Learner
 from rlengine.rl.rollout.collector import PrioritySampler, RolloutCollector
 from rlengine.rl.rollout.evaluation import EvalSet, Evaluator, build_eval_sets
-from rlengine.rl.trainer.memory import plan_for_config
+from rlengine.rl.trainer.memory import (CUDA_WORKSPACE_BYTES, CudaPeak, JobShape, cuda_context_bytes, eval_seqs_for,
+                                        host_memory_per_rank, learner_peak, plan_job, sequences_per_rank)
 
 
 @dataclass(slots=True)
@@ -44,7 +45,7 @@ class JobParts:
     eval_sets: list[EvalSet]
     llm: LLM                              # the rollout engine (max_num_seqs = gen.b_gen)
     eval_llm: LLM                         # the eval engine: the same module, the same KV pool
-    memory_plan: object | None            # analysis.memory_plan.MemoryPlan on CUDA, else None
+    memory_plan: object                   # analysis.memory_plan.MemoryPlan of this device (the KV pool's size)
     sampler: PrioritySampler
     rewards: object                       # reward_pool.InlineRunner or RewardPool: close() it
     eval_rewards: object                  # J's runner: `rewards`, or the task's eval_reward_fn's own
@@ -81,7 +82,7 @@ def build_model_and_tokenizer(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCau
 
 def build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode, eval_sets, dist: Dist):
     """The rollout engine and the eval engine (sharing one KV pool) sized for the job's longest prompt,
-    after checking every train and eval prompt fits; returns (llm, eval_llm, memory_plan or None)."""
+    after checking every train and eval prompt fits, from the memory plan; returns (llm, eval_llm, plan)."""
     g = cfg.gen
     check_job_prompts(task, eval_sets if cfg.eval.sets else [], encode,
                       max_position_embeddings=model.config.max_position_embeddings, max_tokens=g.max_tokens)
@@ -90,16 +91,9 @@ def build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode,
     common = dict(block_size=g.block_size, max_model_len=min(max_len, model.config.max_position_embeddings),
                   attention_backend=cfg.attention_backend, enforce_eager=g.enforce_eager, cpu_kernels=g.cpu_kernels,
                   batch_invariant=g.batch_invariant, shared_prefix_decode=g.shared_prefix_decode)
-    eval_seqs = min(256, (len(eval_problems) if cfg.eval.sets else cfg.task.num_eval) * cfg.eval.k)
-    num_kv_blocks, memory_plan = g.num_kv_blocks or None, None
-    if num_kv_blocks is None and model.device.type == "cuda":
-        # one plan per device: training state + the learner's activations + a reserve; KV from the rest
-        total = torch.cuda.get_device_properties(model.device).total_memory
-        memory_plan = plan_for_config(cfg, device_bytes=total, max_model_len=common["max_model_len"],
-                                      world_size=dist.world)
-        num_kv_blocks = memory_plan.num_kv_blocks
-    elif num_kv_blocks is None:  # CPU: room for either engine at full length
-        num_kv_blocks = max(g.b_gen, eval_seqs) * -(-common["max_model_len"] // g.block_size)
+    eval_seqs = eval_seqs_for(cfg, len(eval_problems))
+    memory_plan = plan_engines(cfg, model, JobShape(common["max_model_len"], eval_seqs), dist)
+    num_kv_blocks = memory_plan.num_kv_blocks
     llm = LLM(model, max_num_seqs=g.b_gen, num_kv_blocks=num_kv_blocks, seed=cfg.run.seed,
               record_routing=g.record_routing, **common)
     # the eval engine shares the rollout engine's KV pool: one cache per device, never a second one
@@ -107,6 +101,35 @@ def build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode,
     if dist.enabled and model.device.type == "cpu" and not model.batch_invariant:
         _agree_on_cpu_kernels(model, max(g.b_gen, eval_seqs), llm.max_num_batched_tokens, dist)
     return llm, eval_llm, memory_plan
+
+
+def plan_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, shape: JobShape, dist: Dist):
+    """This device's memory plan (rl/trainer/memory.py), checked. With train.micro_batch = 0 rank 0 picks
+    the largest micro-batch the plan fits and every rank trains with it (written into cfg, so the run
+    directory's config.json records it); on CUDA the learner's peak is measured at that micro-batch."""
+    t, cuda = cfg.train, model.device.type == "cuda"
+    if cuda:
+        kw = dict(device_bytes=torch.cuda.get_device_properties(model.device).total_memory, device_type="cuda",
+                  reserve=cuda_context_bytes(model.device) + CUDA_WORKSPACE_BYTES)
+    else:
+        kw = dict(device_bytes=host_memory_per_rank()[0], device_type="cpu")
+    kw["world_size"] = dist.world
+    micro = None
+    if not t.micro_batch:  # one choice for every rank (their budgets may differ by a little)
+        plan = plan_job(cfg, shape, **kw) if dist.rank == 0 else None
+        micro = dist.broadcast_object(plan.micro_batch if plan is not None else None)
+    measure = (lambda m: learner_peak(model, cfg, m, shape.max_model_len, CudaPeak(model.device))) if cuda else None
+    plan = plan_job(cfg, shape, measure=measure, micro_batch=micro, **kw)
+    most = sequences_per_rank(cfg, dist.world)
+    if not t.micro_batch and plan.micro_batch < most:
+        t.micro_batch = plan.micro_batch
+        if dist.is_main:
+            print(f"train.micro_batch = 0: micro-batches of {plan.micro_batch} sequences (of {most} per rank), "
+                  "the largest the memory plan fits", flush=True)
+    if cuda and dist.is_main:
+        print(f"memory plan: activations: measured {plan.activations / 2**30:.2f} GiB at {plan.micro_batch} x "
+              f"{shape.max_model_len} tokens; KV pool {plan.num_kv_blocks} blocks, B_KV {plan.b_kv}", flush=True)
+    return plan
 
 
 def _agree_on_cpu_kernels(model: Qwen3ForCausalLM, max_seqs: int, max_tokens: int, dist: Dist) -> None:
