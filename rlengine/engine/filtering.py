@@ -12,7 +12,8 @@ found by a mass-weighted radix select over the logits' order-preserving 32-bit k
 of a 2048-bucket histogram of the probabilities pin down the boundary logit, and the tokens tied at
 it are kept in id order while the mass before them stays < top_p. Masses are summed in fp64 (of the
 fp32 probabilities). On the CPU each pass keeps only the boundary bucket's tokens (a host read,
-free there); on a GPU the passes run over the whole rows with masks (no host read).
+free there), in the C++ op csrc/nucleus.cpp when the extension is built; on a GPU the passes run
+over the whole rows with masks (no host read).
 Batch-invariant mode keeps the sort-based path (filter_logits_sorted): its keep set is a function of
 the row alone by construction.
 Dimension legend: B rows, V vocab, K candidates, W rows with a wide nucleus, M compacted tokens.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from rlengine import _ext
 from rlengine.model import batch_invariant
 
 # On the CPU a full sort of [B, V] logits costs tens of ms at B = 256 (a decode step is ~100 ms):
@@ -48,19 +50,19 @@ def filter_logits(z_BV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     K = min(V, max(CANDIDATES, max_top_k))
     vals_BK, idx_BK = _ranked_candidates(z_BV, K)
     lse_B = z_BV.logsumexp(dim=-1)
-    out, inside_B = _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p, lse_B if K < V else None,
-                                 mass_dtype=torch.float64, tie_safe=True)
+    drop_BK, inside_B = _ranked_drop(vals_BK, k_B, top_p, lse_B if K < V else None, mass_dtype=torch.float64,
+                                     tie_safe=True)
     no_filter_B = (k_B == V) & (top_p >= 1.0)
-    out = torch.where(no_filter_B[:, None], z_BV, out)
     wide_B = ~inside_B & ~no_filter_B  # no top-k (k <= K is always inside), a nucleus past the candidates
     if z_BV.device.type == "cpu":
         rows = wide_B.nonzero()[:, 0]
-        if rows.numel() == z_BV.shape[0]:
-            return torch.where(nucleus_keep(z_BV, lse_B, top_p, compact=True), z_BV, float("-inf"))
+        if rows.numel() == z_BV.shape[0]:  # every row wide (top_p on a flat row): the candidates' mask unused
+            return nucleus_filter(z_BV, lse_B, top_p)
+        out = torch.where(no_filter_B[:, None], z_BV, _scatter_kept(z_BV, vals_BK, idx_BK, drop_BK))
         if rows.numel():
-            keep = nucleus_keep(z_BV[rows], lse_B[rows], top_p[rows], compact=True)
-            out[rows] = torch.where(keep, z_BV[rows], float("-inf"))
+            out[rows] = nucleus_filter(z_BV[rows], lse_B[rows], top_p[rows])
         return out
+    out = torch.where(no_filter_B[:, None], z_BV, _scatter_kept(z_BV, vals_BK, idx_BK, drop_BK))
     keep = nucleus_keep(z_BV, lse_B, top_p, compact=False)
     return torch.where(wide_B[:, None], torch.where(keep, z_BV, float("-inf")), out)
 
@@ -84,6 +86,12 @@ def _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p_B, lse_full_B, lse=None, exp=
     mass_dtype: the cumulative mass's dtype (None: the probabilities' fp32). tie_safe: a row without
     top-k is inside only if its kept set ends above the last candidate's logit (ties in id order).
     """
+    drop, inside = _ranked_drop(vals_BK, k_B, top_p_B, lse_full_B, lse, exp, mass_dtype, tie_safe)
+    return _scatter_kept(z_BV, vals_BK, idx_BK, drop), inside
+
+
+def _ranked_drop(vals_BK, k_B, top_p_B, lse_full_B, lse=None, exp=torch.exp, mass_dtype=None, tie_safe=False):
+    """_mask_ranked's decision on the candidates alone: (drop [B, K] bool, inside [B])."""
     lse = lse or (lambda x: x.logsumexp(dim=-1))
     K = vals_BK.shape[1]
     drop = torch.arange(K, device=vals_BK.device) >= k_B[:, None]
@@ -96,11 +104,15 @@ def _mask_ranked(z_BV, vals_BK, idx_BK, k_B, top_p_B, lse_full_B, lse=None, exp=
     mass_before = probs.cumsum(dim=-1) - probs
     drop |= (mass_before >= top_p_B[:, None].to(probs.dtype)) & (top_p_B[:, None] < 1.0)
     drop[:, 0] = False  # always keep the most likely token
-    out = torch.full_like(z_BV, float("-inf")).scatter_(1, idx_BK, vals_BK.masked_fill(drop, float("-inf")))
     inside = drop[:, -1]
     if tie_safe:  # the kept set must end before the last candidate's tie group (which may go on past K)
         inside = inside & (vals_BK.masked_fill(drop, float("inf")).amin(dim=-1) > vals_BK[:, -1])
-    return out, inside | (k_B <= K)
+    return drop, inside | (k_B <= K)
+
+
+def _scatter_kept(z_BV, vals_BK, idx_BK, drop_BK):
+    """[B, V] at -inf but the kept candidates."""
+    return torch.full_like(z_BV, float("-inf")).scatter_(1, idx_BK, vals_BK.masked_fill(drop_BK, float("-inf")))
 
 
 def filter_logits_sorted(z_BV: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -129,6 +141,15 @@ def filter_logits_sorted(z_BV: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         sorted_z, order = z_BV[wide].sort(dim=-1, descending=True)
         out[wide] = _mask_ranked(z_BV[wide], sorted_z, order, k_B[wide], top_p[wide], None, lse, exp)[0]
     return out
+
+
+def nucleus_filter(z_WV: torch.Tensor, lse_W: torch.Tensor, top_p_W: torch.Tensor) -> torch.Tensor:
+    """z [W, V] fp32 with the tokens outside each row's top-p nucleus (no top-k) at -inf, on the CPU:
+    the C++ op (csrc/nucleus.cpp: the same radix select, one row per task, about 3x faster) when
+    built, else nucleus_keep's torch passes. Both sum the same fp32 probabilities in fp64."""
+    if _ext.has_op("nucleus_filter"):
+        return torch.ops.rlengine.nucleus_filter(z_WV, torch.exp(z_WV - lse_W[:, None]), top_p_W.float())
+    return torch.where(nucleus_keep(z_WV, lse_W, top_p_W, compact=True), z_WV, float("-inf"))
 
 
 def order_keys(z: torch.Tensor) -> torch.Tensor:

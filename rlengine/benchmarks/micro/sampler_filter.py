@@ -3,8 +3,9 @@
 Providers, side by side in one run on the same logits [B, V] (fp32, randn: a flat, untrained-model
 distribution, the case where the nucleus is widest): "sorted" = filtering.filter_logits_sorted (the
 candidates then a full sort of the rows whose nucleus reaches past them: the old path, still the
-batch-invariant mode's), "radix" = filtering.filter_logits (candidates, then the mass-weighted radix
-select). Cases: top_p alone, top_k alone, both. Each provider is timed on filter_logits alone and
+batch-invariant mode's), "radix-torch" = filtering.filter_logits with the radix select in torch
+passes (nucleus_keep), "radix" = filtering.filter_logits as it runs (the C++ op csrc/nucleus.cpp on
+the CPU when the extension is built). Cases: top_p alone, top_k alone, both. Each provider is timed on filter_logits alone and
 on the Sampler call it sits in (temperature, filter, two-level race, log-prob). ratio_vs_top_k =
 this row's ms over the radix top_k row's (the goal: top_p within 2x of top_k = 50 on the CPU).
 The CPU's model name (lscpu) and the torch thread count are recorded with the numbers.
@@ -25,7 +26,18 @@ from rlengine.engine.sampler import Sampler, make_sampling_batch
 from rlengine.engine.sampling_params import SamplingParams
 from rlengine.telemetry.provenance import cpu_model
 
-PROVIDERS = ["sorted", "radix"]  # sorted is the baseline
+PROVIDERS = ["sorted", "radix-torch", "radix"]  # sorted is the baseline
+
+
+def _torch_nucleus(z, lse, top_p):
+    return torch.where(filtering.nucleus_keep(z, lse, top_p, compact=True), z, float("-inf"))
+
+
+def _provider(name):
+    """The filter function of a provider, and the nucleus_filter it runs with."""
+    if name == "sorted":
+        return filtering.filter_logits_sorted, filtering.nucleus_filter
+    return filtering.filter_logits, (_torch_nucleus if name == "radix-torch" else filtering.nucleus_filter)
 CASES = {"top_p=0.95": dict(top_p=0.95), "top_k=50": dict(top_k=50), "top_k=50,top_p=0.95": dict(top_k=50, top_p=0.95)}
 
 
@@ -36,15 +48,15 @@ def _rows(B, V, device, providers, iters):
         params = [SamplingParams(**knobs)] * B
         sb = make_sampling_batch(params, device=device, vocab_size=V)
         for name in providers:
-            fn = filtering.filter_logits_sorted if name == "sorted" else filtering.filter_logits
-            filt = measure(lambda: fn(z, sb.top_k, sb.top_p, sb.max_top_k), iters=iters, device=device)
+            fn, nucleus = _provider(name)
             sampler = Sampler(device, seed=0)
-            orig = sampler_mod.filter_logits
-            sampler_mod.filter_logits = fn  # the Sampler call with this provider's filter
+            orig = sampler_mod.filter_logits, filtering.nucleus_filter
+            sampler_mod.filter_logits, filtering.nucleus_filter = fn, nucleus  # the Sampler call with this filter
             try:
+                filt = measure(lambda: fn(z, sb.top_k, sb.top_p, sb.max_top_k), iters=iters, device=device)
                 full = measure(lambda: sampler(z, sb), iters=iters, device=device)
             finally:
-                sampler_mod.filter_logits = orig
+                sampler_mod.filter_logits, filtering.nucleus_filter = orig
             rows.append({"provider": name, "case": case, "B": B, "V": V, "filter_ms": filt["ms"],
                          "filter_p10": filt["p10_ms"], "filter_p90": filt["p90_ms"], "sampler_ms": full["ms"]})
     base = next((r for r in rows if r["provider"] == "radix" and r["case"] == "top_k=50"), None)
@@ -56,7 +68,7 @@ def _rows(B, V, device, providers, iters):
 
 
 def _check_same_sets(B, V, device) -> int:
-    """Rows where the two providers keep different token sets on the benchmark's logits (expected 0)."""
+    """Rows where the sorted and radix providers keep different token sets on the benchmark's logits (expected 0)."""
     z = torch.randn(B, V, device=device, generator=torch.Generator(device=device).manual_seed(0))
     bad = 0
     for knobs in CASES.values():
