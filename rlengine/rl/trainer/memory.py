@@ -70,10 +70,6 @@ def eval_seqs_for(tc, eval_problems: int) -> int:
     return min(256, (eval_problems if tc.eval.sets else tc.task.num_eval) * tc.eval.k)
 
 
-def engine_max_model_len(tc) -> int:
-    return job_shape(tc).max_model_len
-
-
 def sequences_per_rank(tc, world_size: int = 1) -> int:
     """Sequences one rank trains on per optimizer step: its share of b_train / train.mini_batches."""
     mini = -(-tc.train.b_train // tc.train.mini_batches)
