@@ -114,8 +114,8 @@ def plan_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, shape: JobShape, dis
     else:
         kw = dict(device_bytes=host_memory_per_rank()[0], device_type="cpu")
     kw["world_size"] = dist.world
-    micro = None
-    if not t.micro_batch:  # one choice for every rank (their budgets may differ by a little)
+    micro = None  # one process: plan_job picks it below
+    if not t.micro_batch and dist.enabled:  # one choice for every rank (their budgets may differ by a little)
         plan = plan_job(cfg, shape, **kw) if dist.rank == 0 else None
         micro = dist.broadcast_object(plan.micro_batch if plan is not None else None)
     measure = (lambda m: learner_peak(model, cfg, m, shape.max_model_len, CudaPeak(model.device))) if cuda else None
