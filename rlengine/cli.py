@@ -207,6 +207,7 @@ def _cmd_tune(args) -> int:
     from rlengine.preflight import check_train_config
     from rlengine.rl.config import load_config
     from rlengine.tune import TuneSpec, tune
+    from rlengine.tune.runner import parse_workers
 
     path = args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml")
     cfg = load_config(path, args.overrides)
@@ -231,7 +232,8 @@ def _cmd_tune(args) -> int:
                         b_gen=b_gen, explicit_b_gen=not auto_gen, probe_updates=args.probe_updates,
                         probe_skip=args.probe_skip, plateau_delta=args.delta, kv_bytes=args.kv_bytes,
                         recheck=args.recheck, confirm_seeds=args.confirm_seeds, budget_s=args.budget_s,
-                        clock=args.clock, threads=args.threads, retune=not args.no_retune)
+                        clock=args.clock, threads=args.threads, retune=not args.no_retune,
+                        workers=parse_workers(args.workers, job, args.threads))
     except ConfigError:
         raise
     except ValueError as exc:  # TuneSpec's checks of the options
@@ -397,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-skip", type=int, default=2, help="leading probe updates left out of q (more when "
                    "B_gen / B_train is larger: the pipeline fill)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for every run (fixed and recorded)")
+    p.add_argument("--workers", default="auto", help="runs at once, each its own process (auto: 2 for a CPU job "
+                   "on >= 2 x --threads cores, else 1; a GPU job runs one at a time)")
     p.add_argument("--no-retune", action="store_true", help="no LR bracket for candidates with r_N > 1 + eps")
     p.add_argument("--predict", default=None, metavar="DEVICE", help="print the Eq. 5 B_gen knee of the job on "
                    "DEVICE (H100, H200, cpu: measured now, or a `rlengine bench ceilings` JSON) and exit")

@@ -129,6 +129,7 @@ def candidate_stats(curves: Sequence[RunCurve], target_j: float, grad_window: fl
         label=c0.label, stage=c0.stage, b_train=c0.b_train, b_gen=c0.b_gen, lr=c0.lr, lr_rule=c0.lr_rule,
         seeds=tuple(c.seed for c in curves), hits=tuple(target_hit(c, target_j) for c in curves),
         n_budget=max(c.update_n[-1] if c.update_n else 0.0 for c in curves),
+        n_ran=tuple(c.update_n[-1] if c.update_n else 0.0 for c in curves),
         grad_norm=tuple(window_mean(c.grad_norm, c.update_n, grad_window) for c in curves),
         q_run=tuple(c.update_n[-1] / c.update_t[-1] if c.update_t and c.update_t[-1] > 0 else 0.0 for c in curves))
 

@@ -2,8 +2,10 @@
 (`rlengine report`).
 
 tune(spec, out_dir): stage 1 -> stage 2 -> Table 1 rows -> choice (max q / r_N among rows every seed
-of which reached J*) -> confirmation: the chosen configuration against the job's own on FRESH seeds
-(the stage-1 seeds chose it, so their times are biased in its favour) -> report files in out_dir.
+of which reached J*) -> confirmation: the chosen configuration against the best coupled one
+(B_gen = B_train: what a user without the asymmetry would run; the job's own when that is the
+chosen row) on FRESH seeds (the stage-1 seeds chose it, so their times are biased in its favour)
+-> report files in out_dir.
 report_runs(dirs, target_j): reads run directories a user already has and builds the same table,
 grad-norm slope and figures, with no runs started.
 """
@@ -16,13 +18,13 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from rlengine.tune.curves import candidate_stats, group_curves, lr_effective, read_run, target_hit
-from rlengine.tune.runner import TrainerRunner, plan_config
+from rlengine.tune.runner import TrainerRunner, plan_config, run_plans
 from rlengine.tune.stage1 import budgets, curve_overrides, lr_scale, run_stage1
 from rlengine.tune.stats import paired_log_ratio
 from rlengine.tune.stage2 import run_stage2
 from rlengine.tune.table import build_rows, choose_row
-from rlengine.tune.types import (Confirmation, GenPoint, GenSweep, RunCurve, RunPlan, RunsReport, TuneResult,
-                                 TuneSpec)
+from rlengine.tune.types import (Confirmation, GenPoint, GenSweep, RunCurve, RunPlan, RunsReport, TableRow,
+                                 TuneResult, TuneSpec)
 
 Runner = Callable[[RunPlan], "RunCurve | None"]
 
@@ -35,37 +37,60 @@ def chosen_overrides(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int = 
     return tuple(over.items())
 
 
-def confirm(spec: TuneSpec, label: str, overrides: tuple, runner: Runner, notes: list[str]
-            ) -> tuple[Confirmation | None, list[RunCurve]]:
-    """Chosen vs the job on spec.confirm_seeds fresh seeds, interleaved, each to J* (or its budget)."""
+def confirm(spec: TuneSpec, chosen: tuple[str, tuple], baseline: tuple[str, tuple], runner: Runner,
+            notes: list[str]) -> tuple[Confirmation | None, list[RunCurve]]:
+    """(label, overrides) of the chosen configuration against a baseline's on spec.confirm_seeds fresh
+    seeds, each to J* (or its budget). The pairs go to the runner as one list, each seed's baseline
+    run next to its chosen run, so with two workers the two runs of a seed run side by side."""
     _, every = budgets(spec)
     job_over = (("eval.every_responses", every),)
-    chosen_over = tuple(overrides) + job_over
+    (label, overrides), (base_label, base_over) = chosen, baseline
+    chosen_over, base_over = tuple(overrides) + job_over, tuple(base_over) + job_over
     probe = RunPlan(name="x", stage="confirm", label="", seed=0, overrides=(), target_j=None)
-    if _meaning(spec.job, _with(probe, chosen_over)) == _meaning(spec.job, _with(probe, job_over)):
-        notes.append(f"confirmation: the chosen configuration {label} is the job's own; nothing to compare")
+    if _meaning(spec.job, _with(probe, chosen_over)) == _meaning(spec.job, _with(probe, base_over)):
+        notes.append(f"confirmation: the chosen configuration {label} is {base_label}; nothing to compare")
         return None, []
     seeds = tuple(range(max(spec.seeds) + 1, max(spec.seeds) + 1 + spec.confirm_seeds))
     stop = spec.target_j if spec.stop_at_target else None
-    t_c, t_d, curves = [], [], []
+    plans = []
     for seed in seeds:
-        for name, lab, over, out in ((f"cf-job-s{seed}", "job", job_over, t_d),
-                                     (f"cf-tuned-s{seed}", f"tuned {label}", chosen_over, t_c)):
-            curve = runner(RunPlan(name=name, stage="confirm", label=lab, seed=seed, overrides=over, target_j=stop))
-            if curve is None:
-                notes.append(f"confirmation: {lab} seed {seed} not run (time budget spent)")
-                out.append(None)
-                continue
-            curves.append(curve)
-            out.append(target_hit(curve, spec.target_j).t_star)
+        plans += [RunPlan(name=f"cf-base-s{seed}", stage="confirm", label=base_label, seed=seed, overrides=base_over,
+                          target_j=stop),
+                  RunPlan(name=f"cf-tuned-s{seed}", stage="confirm", label=f"tuned {label}", seed=seed,
+                          overrides=chosen_over, target_j=stop)]
+    t_c, t_d, curves = [], [], []
+    for plan, curve in zip(plans, run_plans(runner, plans)):
+        out = t_c if plan.name.startswith("cf-tuned") else t_d
+        if curve is None:
+            notes.append(f"confirmation: {plan.label} seed {plan.seed} not run (time budget spent)")
+            out.append(None)
+            continue
+        curves.append(curve)
+        out.append(target_hit(curve, spec.target_j).t_star)
     ratio = tuple(c / d for c, d in zip(t_c, t_d) if c is not None and d is not None)
     mc = [t for t in t_c if t is not None]
     md = [t for t in t_d if t is not None]
     rom = (sum(mc) / len(mc)) / (sum(md) / len(md)) if mc and md else None
     pairs = [(c, d) for c, d in zip(t_c, t_d) if c and d]
     ci = paired_log_ratio([c for c, _ in pairs], [d for _, d in pairs]) if pairs else None
-    return Confirmation(chosen=label, default="job", seeds=seeds, t_chosen=tuple(t_c), t_default=tuple(t_d),
+    return Confirmation(chosen=label, default=base_label, seeds=seeds, t_chosen=tuple(t_c), t_default=tuple(t_d),
                         ratio=ratio, ratio_of_means=rom, interval=dataclasses.asdict(ci) if ci else None), curves
+
+
+def coupled_best(rows: Sequence[TableRow], reference: str) -> TableRow | None:
+    """The best eligible coupled (B_gen = B_train) row: what a user without the asymmetry would run."""
+    coupled = [r for r in rows if r.b_gen == r.b_train]
+    return choose_row(coupled, reference) if any(r.label == reference for r in coupled) else None
+
+
+def baseline_for(spec: TuneSpec, s1, s2, rows: Sequence[TableRow], best: TableRow) -> tuple[str, tuple]:
+    """What the confirmation compares the chosen row with: the best coupled configuration
+    (T_coupled-best); when the chosen row is that one, the job's own configuration."""
+    base = coupled_best(rows, s1.reference)
+    if base is not None and base.label != best.label:
+        over = chosen_overrides(spec, base.b_train, base.b_gen, s2.kv_blocks, lr_scale(s1, base.b_train))
+        return f"{base.label} (coupled best)", over
+    return "job", ()
 
 
 def _meaning(job: dict, plan: RunPlan) -> dict:
@@ -93,7 +118,7 @@ def tune(spec: TuneSpec, out_dir: str | Path, *, runner: Runner | None = None, r
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     runner = runner or TrainerRunner(spec.job, out_dir, resume=resume, budget_s=spec.budget_s, clock=spec.clock,
-                                     threads=spec.threads, log=log)
+                                     threads=spec.threads, workers=spec.workers, log=log)
     notes: list[str] = []
     log(f"tune: stage 1 (training batch): B_train {sorted(spec.b_train)}, seeds {list(spec.seeds)}, "
         f"J* = {spec.target_j}")
@@ -108,8 +133,9 @@ def tune(spec: TuneSpec, out_dir: str | Path, *, runner: Runner | None = None, r
     else:
         over = chosen_overrides(spec, best.b_train, best.b_gen, s2.kv_blocks, lr_scale(s1, best.b_train))
         if spec.confirm_seeds:
-            log(f"tune: confirmation: {best.label} against the job on {spec.confirm_seeds} fresh seeds")
-            conf, curves = confirm(spec, best.label, over, runner, notes)
+            base = baseline_for(spec, s1, s2, rows, best)
+            log(f"tune: confirmation: {best.label} against {base[0]} on {spec.confirm_seeds} fresh seeds")
+            conf, curves = confirm(spec, (best.label, over), base, runner, notes)
     result = TuneResult(spec=spec, stage1=s1, stage2=s2, rows=tuple(rows), chosen=best.label if best else "",
                         chosen_overrides=over, confirmation=conf, confirm_curves=tuple(curves),
                         notes=tuple(notes), wall_s=time.perf_counter() - t0, header=run_header(spec, s1),
@@ -128,7 +154,7 @@ def run_header(spec: TuneSpec, s1) -> dict:
     curves = s1.curves
     loads = [x for c in curves for x in c.load if x >= 0]
     busy = [c.cpu_s / c.wall_s for c in curves if c.wall_s > 0 and c.cpu_s > 0]
-    return {"threads": spec.threads, "clock": sorted({c.clock for c in curves}) or [spec.clock],
+    return {"threads": spec.threads, "workers": spec.workers, "clock": sorted({c.clock for c in curves}) or [spec.clock],
             "load_min": min(loads, default=None), "load_max": max(loads, default=None),
             "cpu_per_wall": (sum(busy) / len(busy)) if busy else None, "cores": os.cpu_count(),
             "host": cpu_model(), "cpu_isa": cpu_isa(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -1,7 +1,7 @@
 """Report files of `rlengine tune` and `rlengine report`, written into one directory.
 
     report.md     Table 1 (B_train, eta, K*, N*, T, r_N, q/q_ref, T/T_ref, wins), the B_gen sweeps,
-                  the re-check, the confirmation against the job, the grad-norm slope, the notes
+                  the re-check, the confirmation against the best coupled configuration, the grad-norm slope, the notes
     report.json   every dataclass of the result (dataclasses.asdict), the input of rlengine.plots.tune
     chosen.toml   the chosen configuration as a ready-to-run job (`rlengine train --config chosen.toml`)
     runs.jsonl    one line per run directory under OUT/runs: its plan and every metric record
@@ -146,7 +146,7 @@ def write_report(result: TuneResult, out_dir: str | Path) -> Path:
             change = (sum(n_rc) / len(n_rc)) / (sum(n_s1) / len(n_s1)) - 1
             md.append(f"- re-check {rc.label}: N* {sum(n_rc) / len(n_rc):.0f} vs {sum(n_s1) / len(n_s1):.0f} "
                       f"coupled ({change:+.0%}), reached {rc.reached}/{len(rc.hits)}")
-    md += ["", "## Confirmation: chosen vs the job on fresh seeds", "", confirm_markdown(result), "",
+    md += ["", "## Confirmation: chosen vs the best coupled configuration on fresh seeds", "", confirm_markdown(result), "",
            "## Gradient norm against B_train", "", grad_lines(s1.candidates, s1.grad_window), "",
            slopes_markdown(fits), "", "## Notes", ""]
     return _write_md(md, result.notes, figures, out_dir)

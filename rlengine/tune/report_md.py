@@ -35,7 +35,9 @@ def header_markdown(result: TuneResult) -> str:
     load = (f"{h['load_min']:.2f} to {h['load_max']:.2f}" if h.get("load_min") is not None else "unknown")
     busy = _f(h.get("cpu_per_wall"), "{:.2f}")
     flags = " ".join(h.get("cpu_isa") or []) or "flags unknown"
-    return (f"Conditions: torch threads {h.get('threads', '?')} (fixed for every run); clock: {what}; "
+    side = (f"; {h['workers']} runs side by side, one process each" if h.get("workers", 1) > 1
+            else "; one run at a time")
+    return (f"Conditions: torch threads {h.get('threads', '?')} (fixed for every run){side}; clock: {what}; "
             f"1-minute load average over the runs {load} on {h.get('cores', '?')} cores "
             f"(CPU s / wall s per run {busy}); host {h.get('host', '?')} ({flags}); {h.get('time', '')}.")
 
@@ -47,7 +49,7 @@ def table_markdown(rows: Sequence[TableRow], reference: str) -> str:
     for r in rows:
         rn = _f(r.r_n, "{:.2f}")
         if r.r_n_lower is not None:
-            rn += f"; >= {r.r_n_lower:.2f} censored at N_max"
+            rn += f"; >= {r.r_n_lower:.2f} with misses censored"
         lines.append(
             f"| {r.label}{' (ref)' if r.label == reference else ''} | {r.b_train} | {r.b_gen} | {r.lr:.3g} | "
             f"{r.reached} | {_f(r.k_star, '{:.1f}')} | {_f(r.n_star, '{:.0f}')} ({_f(r.n_star_sd, '{:.0f}')}) | "
@@ -122,15 +124,15 @@ def sweeps_markdown(sweeps: Sequence[GenSweep]) -> str:
 def confirm_markdown(result: TuneResult) -> str:
     c = result.confirmation
     if c is None:
-        return "not run (" + ("the chosen configuration is the job's own" if result.chosen else "nothing chosen") \
+        return "not run (" + ("the chosen configuration is its own baseline" if result.chosen else "nothing chosen") \
             + " or --confirm-seeds 0)"
-    lines = ["| seed | T chosen (s) | T job (s) | ratio |\n|---|---|---|---|"]
+    lines = [f"Baseline: {c.default}.", "", f"| seed | T chosen (s) | T {c.default} (s) | ratio |\n|---|---|---|---|"]
     for s, a, b in zip(c.seeds, c.t_chosen, c.t_default):
         ratio = f"{a / b:.2f}" if a is not None and b is not None else "-"
         lines.append(f"| {s} | {_f(a, '{:.2f}')} | {_f(b, '{:.2f}')} | {ratio} |")
     ci = c.interval
     if ci:
-        lines.append(f"\nT_chosen / T_job: {ci_text(ci)} (geometric mean over {ci['k']} paired seeds, 95% "
+        lines.append(f"\nT_chosen / T_baseline: {ci_text(ci)} (geometric mean over {ci['k']} paired seeds, 95% "
                      f"t-interval on log ratios); ratio of mean times {_f(c.ratio_of_means, '{:.2f}')}.")
         if ci["resolvable"] is not None:
             lines.append(f"Smallest effect this confirmation can resolve: {ci['resolvable']:.0%} (the interval's "

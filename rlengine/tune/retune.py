@@ -5,6 +5,9 @@ censored seeds at their budget, so it is a lower bound when any missed) exceeds 
 again at eta x 1/sqrt2 and eta x sqrt2 on every seed. The bracket member with the smallest
 censored mean N* is kept under the candidate's own label (stage1), stated as retuned; the others
 stay in the table as "B lr xF" rows of stage "retune" (never chosen). The reference is not retuned.
+A bracket run stops at CAP x the N* its seed's x1 run needed (N_max when that run missed): past
+that it has lost to x1 on its seed whatever it does later, and a run stalled on a plateau would
+otherwise take the whole budget. It is then censored there (N* > its run's N), as every miss is.
 """
 
 from __future__ import annotations
@@ -14,23 +17,24 @@ import math
 from typing import Callable, Sequence
 
 from rlengine.tune.curves import candidate_stats
+from rlengine.tune.runner import run_plans
 from rlengine.tune.types import CandidateStats, RunCurve, RunPlan, TuneSpec
 
 Runner = Callable[[RunPlan], "RunCurve | None"]
 BRACKET = (1 / math.sqrt(2), math.sqrt(2))   # with the rule's own x1, the bracket x{1/sqrt2, 1, sqrt2}
+CAP = 2.0                                    # a bracket run stops at CAP x its seed's x1 N*
 
 
 def censored_mean_n(c: CandidateStats) -> float:
     """Mean N* over every seed with a miss counted at the budget (N* > N_max censored the same way everywhere)."""
-    return sum(h.n_star if h.reached else c.n_budget for h in c.hits) / len(c.hits)
+    return sum(c.censored_n(i) for i in range(len(c.hits))) / len(c.hits)
 
 
 def censored_r_n(c: CandidateStats, ref: CandidateStats) -> float | None:
     """Geometric-mean r_N over the seeds where the reference reached J*, c's misses at its budget
     (a lower bound then); None when the reference reached on no seed of c."""
     ref_n = {s: h.n_star for s, h in zip(ref.seeds, ref.hits) if h.reached}
-    logs = [math.log((h.n_star if h.reached else c.n_budget) / ref_n[s]) for s, h in zip(c.seeds, c.hits)
-            if s in ref_n]
+    logs = [math.log(c.censored_n(i) / ref_n[s]) for i, s in enumerate(c.seeds) if s in ref_n]
     return math.exp(sum(logs) / len(logs)) if logs else None
 
 
@@ -53,29 +57,44 @@ def _scale_label(f: float) -> str:
     return {1.0: "x1"}.get(round(f, 6), "x1/sqrt2" if f < 1 else "xsqrt2")
 
 
+def bracket_cap(hit, n_max: float) -> float:
+    """Where a bracket run stops: CAP x its seed's x1 N*, at most n_max (n_max when x1 missed)."""
+    return min(n_max, CAP * hit.n_star) if hit.reached else n_max
+
+
 def retune(spec: TuneSpec, cands: list[CandidateStats], curves: list[RunCurve], reference: str, window: float,
-           plan_for: Callable[[int, int, float], RunPlan], runner: Runner, notes: list[str]
+           plan_for: Callable[[int, int, float, float], RunPlan], runner: Runner, notes: list[str], n_max: float
            ) -> tuple[list[CandidateStats], list[RunCurve], dict[int, float]]:
-    """Run the bracket for every candidate that needs it; returns (candidates, curves, {B_train: LR scale kept})."""
+    """Run the bracket of every candidate that needs it, all of them as one list of plans (runner.map
+    may run them side by side); plan_for(B_train, seed, factor, N cap). Returns (candidates,
+    curves, {B_train: LR scale kept})."""
+    todo = needs_retune(cands, reference, spec.retune_eps)
+    plans, keys = [], []
+    for cand in todo:
+        for f in BRACKET:
+            for seed, hit in zip(cand.seeds, cand.hits):
+                plans.append(plan_for(cand.b_train, seed, f, bracket_cap(hit, n_max)))
+                keys.append((cand.label, f, seed))
+    runs: dict[tuple[str, float], list[RunCurve]] = {}
+    for (label, f, seed), curve in zip(keys, run_plans(runner, plans)):
+        if curve is None:
+            notes.append(f"retune: {label} {_scale_label(f)} seed {seed} not run (time budget spent)")
+            continue
+        runs.setdefault((label, f), []).append(curve)
     scales: dict[int, float] = {}
-    for cand in needs_retune(cands, reference, spec.retune_eps):
+    for cand in todo:
         members = {1.0: (cand, [c for c in curves if c.label == cand.label])}
         for f in BRACKET:
-            runs = []
-            for seed in cand.seeds:
-                curve = runner(plan_for(cand.b_train, seed, f))
-                if curve is None:
-                    notes.append(f"retune: {cand.label} {_scale_label(f)} seed {seed} not run (time budget spent)")
-                    continue
-                runs.append(curve)
-            if len(runs) == len(cand.seeds):
-                members[f] = (candidate_stats(runs, spec.target_j, window), runs)
+            got = runs.get((cand.label, f), [])
+            if len(got) == len(cand.seeds):
+                members[f] = (candidate_stats(got, spec.target_j, window), got)
         best = min(members, key=lambda f: censored_mean_n(members[f][0]))
         scales[cand.b_train] = best
         summary = ", ".join(f"{_scale_label(f)}: N* {censored_mean_n(m[0]):.0f} ({m[0].reached}/{len(m[0].hits)})"
                             for f, m in sorted(members.items()))
         text = f"retuned: eta {_scale_label(best)} kept" if best != 1.0 else "bracket run: the sqrt-rule eta kept"
-        notes.append(f"stage 1: {cand.label}: r_N > 1 + {spec.retune_eps}; {text} (censored mean N* {summary})")
+        notes.append(f"stage 1: {cand.label}: r_N > 1 + {spec.retune_eps}; {text} (censored mean N* {summary}; "
+                     f"bracket runs stop at {CAP:g} x their seed's x1 N*)")
         cands, curves = _swap(cands, curves, cand, members, best, text)
     return cands, curves, scales
 

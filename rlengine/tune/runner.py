@@ -9,6 +9,12 @@ tune_run.json last, so an interrupted tune leaves either a finished run or a dir
 with resume=True finished runs whose config matches are read back instead of rerun. Every run
 uses the same fixed torch thread count (set before the Trainer is built, recorded in tune_run.json):
 throughput figures of runs with different thread counts would not compare.
+
+With workers > 1, TrainerRunner.map runs a list of plans in that many worker processes at once
+(`python -m rlengine.tune.worker`, one run each), so a 2-core machine runs two one-thread curves
+side by side. Stage code hands it whole lists (run_plans): a stage's seeds, a retune bracket, a
+confirmation's interleaved pairs. The two runs of a pair then share the machine's caches and
+memory bandwidth at the same time, so neither is measured under conditions the other missed.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ import gc
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from rlengine.config import ConfigError
 from rlengine.rl.config import TrainConfig
@@ -101,18 +109,39 @@ def _same_run(saved: dict, cfg: TrainConfig, clock: str) -> bool:
     return a == b and saved.get("clock", "wall") == clock
 
 
+def parse_workers(text: str, job: dict, threads: int) -> int:
+    """`tune --workers`: a count, or auto: two runs side by side when a CPU job has 2 x threads cores
+    (a GPU job runs one at a time: runs sharing a device would time each other)."""
+    if text != "auto":
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"--workers {text}: give a count >= 1 or auto")
+        return int(text)
+    return 2 if resolve_clock("auto", job) == "cpu" and (os.cpu_count() or 1) >= 2 * threads else 1
+
+
+def run_plans(runner, plans: Sequence[RunPlan]) -> list[RunCurve | None]:
+    """The curves of `plans` in their order: runner.map when the runner has one (it may run several
+    at once), else one call per plan (any Callable[[RunPlan], RunCurve | None], as tests pass)."""
+    many = getattr(runner, "map", None)
+    return many(list(plans)) if many is not None else [runner(p) for p in plans]
+
+
 class TrainerRunner:
-    """Callable RunPlan -> RunCurve (None when the time budget is spent), one run at a time."""
+    """Callable RunPlan -> RunCurve (None when the time budget is spent); map(plans) runs a list,
+    `workers` of them at once in worker processes."""
 
     def __init__(self, job: dict, out_dir: str | Path, *, resume: bool = False, budget_s: float = 0.0,
-                 clock: str = "auto", threads: int = 1, log: Callable[[str], None] = print):
+                 clock: str = "auto", threads: int = 1, workers: int = 1, log: Callable[[str], None] = print):
         if threads < 1:
             raise ConfigError(f"tune: threads must be >= 1, got {threads}")
-        self.job, self.root, self.threads = job, Path(out_dir) / "runs", threads
+        if workers < 1:
+            raise ConfigError(f"tune: workers must be >= 1, got {workers}")
+        self.job, self.out_dir, self.root, self.threads = job, Path(out_dir), Path(out_dir) / "runs", threads
         self.clock = resolve_clock(clock, job)
-        self.resume, self.budget_s, self.log = resume, budget_s, log
+        self.resume, self.budget_s, self.log, self.workers = resume, budget_s, log, workers
         self.start = time.perf_counter()
         self.done = 0
+        self.python = sys.executable          # the interpreter worker processes run
 
     @property
     def elapsed(self) -> float:
@@ -123,8 +152,43 @@ class TrainerRunner:
         return self.budget_s > 0 and self.elapsed > self.budget_s
 
     def __call__(self, plan: RunPlan) -> RunCurve | None:
-        run_dir = self.root / plan.name
-        cfg = plan_config(self.job, plan, run_dir)
+        return self.map([plan])[0]
+
+    def map(self, plans: Sequence[RunPlan]) -> list[RunCurve | None]:
+        """Run `plans` (finished ones read back under resume; None for those the budget does not
+        start), up to `workers` at once; results in the order of `plans`."""
+        out: list[RunCurve | None] = [None] * len(plans)
+        todo = []
+        for i, plan in enumerate(plans):
+            run_dir = self.root / plan.name
+            cfg = plan_config(self.job, plan, run_dir)
+            done = self._finished(plan, cfg, run_dir)
+            if done is not None:
+                out[i] = done
+            else:
+                todo.append((i, plan, cfg, run_dir))
+        if self.workers == 1:
+            for i, plan, cfg, run_dir in todo:
+                if self.out_of_budget:
+                    break
+                out[i] = self.execute(plan, cfg, run_dir)
+            return out
+        running: list[tuple[int, RunPlan, Path, subprocess.Popen, float]] = []
+        while todo or running:
+            while todo and len(running) < self.workers and not self.out_of_budget:
+                i, plan, cfg, run_dir = todo.pop(0)
+                running.append((i, plan, run_dir, self._spawn(plan, run_dir), time.perf_counter()))
+            if not running:
+                break  # budget spent: what is left is not started
+            time.sleep(0.2)
+            for item in [r for r in running if r[3].poll() is not None]:
+                running.remove(item)
+                i, plan, run_dir, proc, t0 = item
+                out[i] = self._collect(plan, run_dir, proc, t0)
+        return out
+
+    def _finished(self, plan: RunPlan, cfg: TrainConfig, run_dir: Path) -> RunCurve | None:
+        """The finished run of `plan` read back (resume), or None after clearing an interrupted one."""
         summary = run_dir / "tune_run.json"
         if summary.is_file():
             saved = json.loads(summary.read_text())
@@ -136,13 +200,42 @@ class TrainerRunner:
                                   f"remove it or choose another --out")
             self.log(f"[{plan.stage}] {plan.label} seed {plan.seed}: finished earlier, read from {run_dir}")
             return read_run(run_dir)
-        if self.out_of_budget:
-            return None
         if run_dir.exists():  # interrupted earlier: start it again from nothing
             shutil.rmtree(run_dir)
-        return self._execute(plan, cfg, run_dir)
+        return None
 
-    def _execute(self, plan: RunPlan, cfg: TrainConfig, run_dir: Path) -> RunCurve:
+    def _spawn(self, plan: RunPlan, run_dir: Path) -> subprocess.Popen:
+        """One worker process for `plan`, its output in OUT/logs/NAME.log."""
+        logs = self.out_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        task = logs / f"{plan.name}.json"
+        task.write_text(json.dumps({"job": self.job, "plan": dataclasses.asdict(plan), "out_dir": str(self.out_dir),
+                                    "clock": self.clock, "threads": self.threads}))
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
+        with open(logs / f"{plan.name}.log", "w") as fh:
+            return subprocess.Popen([self.python, "-m", "rlengine.tune.worker", str(task)], stdout=fh,
+                                    stderr=subprocess.STDOUT, env=env)
+
+    def _collect(self, plan: RunPlan, run_dir: Path, proc: subprocess.Popen, t0: float) -> RunCurve:
+        log = self.out_dir / "logs" / f"{plan.name}.log"
+        if proc.returncode != 0 or not (run_dir / "tune_run.json").is_file():
+            tail = "\n".join(log.read_text().splitlines()[-15:]) if log.is_file() else ""
+            raise RuntimeError(f"tune: run {plan.name} failed in its worker (exit {proc.returncode}); "
+                               f"its log {log} ends:\n{tail}")
+        curve = read_run(run_dir)
+        self.done += 1
+        self._report(plan, curve, time.perf_counter() - t0)
+        return curve
+
+    def _report(self, plan: RunPlan, curve: RunCurve, wall: float) -> None:
+        last_j = curve.eval_j[-1] if curve.eval_j else float("nan")
+        reached = " (reached J*)" if curve.stopped_at_target else ""
+        load = curve.load or (-1.0, -1.0)
+        self.log(f"[{plan.stage}] {plan.label} seed {plan.seed}: N={curve.update_n[-1]:.0f} J={last_j:.3f} "
+                 f"T={curve.update_t[-1]:.1f}s{reached}; {wall:.0f}s wall ({curve.cpu_s:.0f}s CPU), "
+                 f"tune at {self.elapsed:.0f}s, load {load[0]:.1f}->{load[-1]:.1f}")
+
+    def execute(self, plan: RunPlan, cfg: TrainConfig, run_dir: Path) -> RunCurve:
         import torch
 
         from rlengine.rl.trainer.loop import Trainer
@@ -173,9 +266,5 @@ class TrainerRunner:
         del trainer
         gc.collect()
         self.done += 1
-        last_j = curve.eval_j[-1] if curve.eval_j else float("nan")
-        reached = " (reached J*)" if stopped else ""
-        self.log(f"[{plan.stage}] {plan.label} seed {plan.seed}: N={curve.update_n[-1]:.0f} J={last_j:.3f} "
-                 f"T={curve.update_t[-1]:.1f}s{reached}; {wall:.0f}s wall ({cpu:.0f}s CPU), "
-                 f"tune at {self.elapsed:.0f}s, load {load[0]:.1f}->{load[1]:.1f}")
+        self._report(plan, curve, wall)
         return curve

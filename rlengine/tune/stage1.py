@@ -18,6 +18,7 @@ from rlengine.config import ConfigError
 from rlengine.tune.curves import candidate_stats, group_curves, lr_effective
 from rlengine.tune.ladder import implied_max_lag
 from rlengine.tune.retune import retune
+from rlengine.tune.runner import run_plans
 from rlengine.tune.types import RunCurve, RunPlan, Stage1Result, TuneSpec
 
 Runner = Callable[[RunPlan], "RunCurve | None"]
@@ -84,8 +85,8 @@ def _stop(spec: TuneSpec) -> float | None:
 def run_stage1(spec: TuneSpec, runner: Runner, notes: list[str]) -> Stage1Result:
     """Execute stage 1 (skipping what the budget does not allow) and summarise each configuration."""
     curves: list[RunCurve] = []
-    for plan in plan_stage1(spec):
-        curve = runner(plan)
+    plans = plan_stage1(spec)
+    for plan, curve in zip(plans, run_plans(runner, plans)):
         if curve is None:
             notes.append(f"stage 1: {plan.label} seed {plan.seed} not run (time budget spent)")
             continue
@@ -100,10 +101,12 @@ def run_stage1(spec: TuneSpec, runner: Runner, notes: list[str]) -> Stage1Result
     cands = [candidate_stats(cs, spec.target_j, window) for cs in group_curves(curves).values()]
     scales: dict[int, float] = {}
     if spec.retune:
-        def plan_for(b: int, seed: int, f: float) -> RunPlan:
+        def plan_for(b: int, seed: int, f: float, n_cap: float) -> RunPlan:
+            over = dict(curve_overrides(spec, b, lr_scale=f))
+            over["train.updates"] = min(over["train.updates"], math.ceil(n_cap / b))
             return RunPlan(name=f"rt-b{b}-x{f:.3f}-s{seed}", stage="retune", label=f"{b} lr x{f:.3f}", seed=seed,
-                           overrides=curve_overrides(spec, b, lr_scale=f), target_j=_stop(spec))
-        cands, curves, scales = retune(spec, cands, curves, f"{b0}", window, plan_for, runner, notes)
+                           overrides=tuple(over.items()), target_j=_stop(spec))
+        cands, curves, scales = retune(spec, cands, curves, f"{b0}", window, plan_for, runner, notes, n_max)
     for c in cands:
         if not c.all_reached:
             notes.append(f"stage 1: {c.label} reached J* = {spec.target_j} on {c.reached}/{len(c.hits)} seeds "

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 from rlengine.tune.curves import candidate_stats, mean_sd
 from rlengine.tune.ladder import probe_window, run_ladder, window_point
+from rlengine.tune.runner import run_plans
 from rlengine.tune.stage1 import curve_overrides, lr_scale
 from rlengine.tune.types import (CandidateStats, EngineFacts, GenPoint, GenSweep, RunCurve, RunPlan, Stage1Result,
                                  Stage2Result, TuneSpec)
@@ -168,16 +169,16 @@ def _recheck(spec, s1, sweeps, survivors, best_score, runner, kv_blocks, notes
                          f"does not beat the best coupled {best_score:.4g}")
     out, every = [], []
     for _, sw in sorted(predicted, key=lambda x: -x[0])[:spec.recheck]:
+        plans = [RunPlan(name=f"rc-b{sw.b_train}-g{sw.critical_b_gen}-s{seed}", stage="recheck",
+                         label=f"{sw.b_train} gen {sw.critical_b_gen}", seed=seed,
+                         target_j=spec.target_j if spec.stop_at_target else None,
+                         overrides=curve_overrides(spec, sw.b_train, b_gen=sw.critical_b_gen,
+                                                   num_kv_blocks=kv_blocks, lr_scale=lr_scale(s1, sw.b_train)))
+                 for seed in spec.seeds]
         curves = []
-        for seed in spec.seeds:
-            plan = RunPlan(name=f"rc-b{sw.b_train}-g{sw.critical_b_gen}-s{seed}", stage="recheck",
-                           label=f"{sw.b_train} gen {sw.critical_b_gen}", seed=seed,
-                           target_j=spec.target_j if spec.stop_at_target else None,
-                           overrides=curve_overrides(spec, sw.b_train, b_gen=sw.critical_b_gen,
-                                                     num_kv_blocks=kv_blocks, lr_scale=lr_scale(s1, sw.b_train)))
-            curve = runner(plan)
+        for plan, curve in zip(plans, run_plans(runner, plans)):
             if curve is None:
-                notes.append(f"re-check: {plan.label} seed {seed} not run (time budget spent)")
+                notes.append(f"re-check: {plan.label} seed {plan.seed} not run (time budget spent)")
                 continue
             curves.append(curve)
         if curves:

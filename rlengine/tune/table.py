@@ -59,8 +59,8 @@ def build_rows(cands: Sequence[CandidateStats], reference: str, *, b_kv: int = 0
         lower = None
         ref_seeds = [s for s in c.seeds if s in ref_hits]
         if not c.all_reached and ref_seeds and c.label != reference:
-            lower = (sum(hits[s][0] if s in hits else c.n_budget for s in ref_seeds)
-                     / sum(ref_hits[s][0] for s in ref_seeds))
+            at = {s: c.censored_n(i) for i, s in enumerate(c.seeds)}
+            lower = sum(at[s] for s in ref_seeds) / sum(ref_hits[s][0] for s in ref_seeds)
         feasible = not b_kv or (c.b_gen <= b_kv and c.b_train <= b_kv)
         cis = _intervals(hits, ref_hits, both) if c.label != reference else (None, None, None)
         why = _why(c, feasible, b_kv)

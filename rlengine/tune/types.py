@@ -40,6 +40,7 @@ class TuneSpec:
     clock: str = "auto"                  # t_gen / t_train as wall | cpu (process CPU time) seconds;
                                          # auto = cpu when the job runs on the CPU, else wall
     threads: int = 1                     # torch threads every run uses (fixed, recorded)
+    workers: int = 1                     # runs at once, each in its own process with `threads` threads
     retune_eps: float = 0.1              # stage 1: retune the LR of a candidate with r_N > 1 + eps
     retune: bool = True                  # run the LR bracket x{1/sqrt2, sqrt2} for such candidates
 
@@ -58,6 +59,8 @@ class TuneSpec:
             raise ValueError(f"clock must be auto|wall|cpu, got {self.clock!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.retune_eps < 0:
             raise ValueError(f"retune_eps must be >= 0, got {self.retune_eps}")
         if self.recheck < 0 or self.confirm_seeds < 0 or self.kv_bytes < 0 or self.budget_s < 0:
@@ -150,6 +153,7 @@ class CandidateStats:
     seeds: tuple[int, ...]               # [K]
     hits: tuple[TargetHit, ...]          # [K] per seed
     n_budget: float                      # largest N any seed ran (the budget when J* is missed)
+    n_ran: tuple[float, ...] = ()        # [K] N each seed's run reached: a miss is censored there (N* > n_ran)
     grad_norm: tuple[float, ...]         # [K] mean actor grad norm per seed over the common window
     q_run: tuple[float, ...]             # [K] N/T over each whole run
     retuned: str = ""                    # "" or how the LR bracket chose this candidate's LR
@@ -161,6 +165,13 @@ class CandidateStats:
     @property
     def all_reached(self) -> bool:
         return self.reached == len(self.hits)
+
+    def censored_n(self, i: int) -> float:
+        """Seed i's N*, or where its run stopped when it missed J* (a lower bound: N* > that)."""
+        h = self.hits[i]
+        if h.reached:
+            return h.n_star
+        return self.n_ran[i] if self.n_ran else self.n_budget
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -259,7 +270,8 @@ class TableRow:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Confirmation:
-    """Chosen configuration against the job's own on fresh seeds: time to J*."""
+    """Chosen configuration against a baseline (the best coupled one, else the job's own) on fresh
+    seeds: time to J*."""
 
     chosen: str
     default: str

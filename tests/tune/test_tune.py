@@ -15,6 +15,7 @@ import pytest
 
 from rlengine.analysis.accounting import best_q_over_r, first_crossing, time_to_target, value_at, TargetRun
 from rlengine.cli import main
+from rlengine.config import ConfigError
 from rlengine.rl.config import TrainConfig, load_config
 from rlengine.tune import TuneSpec, build_rows, choose_row, read_run, report_runs, tune
 from rlengine.tune.curves import curve_from_records
@@ -128,10 +129,19 @@ def test_synthetic_tune_matches_hand_computation(tmp_path):
     # the choice is the eligible row with the smallest hand-computed T
     by_hand = {f"{b}": t_star(b)[1] for b in (64, 128, 256, 512)} | {rc.label: t_rc}
     assert result.chosen == min(by_hand, key=by_hand.get)
-    # confirmation: fresh seeds 2, 3; ratio = T(chosen) / T(job) in closed form
+    # confirmation: fresh seeds 2, 3, against the best coupled row (B_gen = B_train); ratio =
+    # T(chosen) / T(coupled best) in closed form
     conf = result.confirmation
+    coupled = min((f"{b}" for b in (64, 128, 256, 512)), key=by_hand.get)
+    assert result.chosen != coupled and conf.default == f"{coupled} (coupled best)"
     assert conf.seeds == (2, 3)
-    assert conf.ratio == pytest.approx([by_hand[result.chosen] / t128] * 2)
+    assert conf.ratio == pytest.approx([by_hand[result.chosen] / by_hand[coupled]] * 2)
+    base = [p for p in log if p.stage == "confirm" and p.label == conf.default]
+    tuned = [p for p in log if p.stage == "confirm" and p.label != conf.default]
+    assert [p.seed for p in base] == [p.seed for p in tuned] == [2, 3]
+    # the two runs of a seed differ only in gen.b_gen and gen.max_lag
+    a, b_ = (plan_config(JOB, p, "x").to_dict() for p in (base[0], tuned[0]))
+    assert {(s, k) for s in a for k in a[s] if a[s][k] != b_[s][k]} == {("gen", "b_gen"), ("gen", "max_lag")}
     # grad norm 2 / sqrt(B): slope exactly -0.5 on every seed
     fits = json.loads((tmp_path / "report.json").read_text())["grad_fits"]
     assert fits["all"]["slope_of_means"] == pytest.approx(-0.5) and fits["all"]["slopes"] == pytest.approx([-0.5] * 2)
@@ -273,3 +283,34 @@ def test_report_runs_groups_seeds_and_builds_rows(tmp_path):
     assert rows["256"].t == pytest.approx(sum(n / 256 * 0.2 for n in n256) / 2)
     assert rows["256"].wins and rep.chosen == "256"
     assert choose_row(build_rows(rep.candidates, "256"), "256").label == "256"
+
+
+def test_workers_run_plans_side_by_side_as_in_process(tmp_path):
+    """TrainerRunner.map with 2 workers: each plan in its own process gives the run an in-process
+    runner gives (same J, N and grad norms: training is deterministic given config and seed);
+    a worker that fails names its log; a spent budget starts nothing."""
+    from rlengine.tune.runner import TrainerRunner, parse_workers
+    from rlengine.tune.types import RunPlan
+
+    job = load_config("rlengine/configs/grpo.toml", TINY).to_dict()
+    plans = [RunPlan(name=f"w-s{seed}", stage="stage1", label="8", seed=seed, target_j=None,
+                     overrides=(("train.b_train", 8), ("train.updates", 3), ("eval.every_responses", 8)))
+             for seed in (0, 1)]
+    lines = []
+    both = TrainerRunner(job, tmp_path / "par", workers=2, log=lines.append).map(plans)
+    alone = TrainerRunner(job, tmp_path / "one", log=lambda x: None).map(plans[:1])
+    assert both[0].eval_j == alone[0].eval_j and both[0].update_n == alone[0].update_n
+    assert both[0].grad_norm == pytest.approx(alone[0].grad_norm, rel=0, abs=0)
+    assert both[1].seed == 1 and both[1].grad_norm != both[0].grad_norm     # two runs, not one read twice
+    assert len(lines) == 2 and (tmp_path / "par" / "logs" / "w-s1.log").is_file()
+    meta = json.loads((tmp_path / "par" / "runs" / "w-s0" / "tune_run.json").read_text())
+    assert meta["threads"] == 1 and meta["clock"] == "cpu"
+    broken = TrainerRunner(job, tmp_path / "bad", workers=2, log=lambda x: None)
+    broken.python = "false"                                   # a worker that exits 1 and writes nothing
+    with pytest.raises(RuntimeError, match=r"run w-s0 failed in its worker \(exit 1\); its log .*w-s0.log"):
+        broken.map(plans)
+    spent = TrainerRunner(job, tmp_path / "late", workers=2, budget_s=1e-9, log=lambda x: None)
+    assert spent.map(plans) == [None, None] and not (tmp_path / "late" / "runs").exists()
+    assert parse_workers("3", job, 1) == 3 and parse_workers("auto", job, 64) == 1
+    with pytest.raises(ConfigError, match="--workers 0"):
+        parse_workers("0", job, 1)

@@ -156,14 +156,16 @@ def test_implied_lag_is_set_on_async_probes_and_the_window_skips_the_fill(tmp_pa
 
 
 def lr_runner(log):
-    """The synthetic runner, but B_train 512 needs fewer samples at eta x sqrt2 (S 16000 -> 9000)."""
+    """The synthetic runner, but B_train 512 needs fewer samples at eta x sqrt2 (S 16000 -> 9000) and
+    many more at eta x 1/sqrt2 (S 16000 -> 40000: N* 18000, past its bracket cap)."""
     inner = synthetic_runner(log)
 
     def run(plan):
         curve = inner(plan)
         cfg = plan_config(JOB, plan, "unused")
-        if cfg.train.b_train == 512 and cfg.train.lr_effective > 0.0031 and plan.stage != "control":
-            scale = 9000.0 * (1.1 if cfg.gen.b_gen > 512 else 1.0)
+        eta = cfg.train.lr_effective
+        if cfg.train.b_train == 512 and plan.stage != "control" and (eta > 0.0031 or eta < 0.0029):
+            scale = (9000.0 if eta > 0.0031 else 40000.0) * (1.1 if cfg.gen.b_gen > 512 else 1.0)
             import dataclasses
 
             j = tuple(0.1 + n / scale for n in curve.eval_n)
@@ -174,8 +176,15 @@ def lr_runner(log):
 
 def test_lr_retune_keeps_the_best_of_the_bracket(tmp_path):
     s = spec(b_train=(128, 512), fixed_lr=False, confirm_seeds=0, stop_at_target=False)
-    result = tune(s, tmp_path, runner=lr_runner([]), log=lambda x: None)
+    log = []
+    result = tune(s, tmp_path, runner=lr_runner(log), log=lambda x: None)
     rows = {r.label: r for r in result.rows}
+    # a bracket run stops at 2 x its seed's x1 N* (0.45 x 16000 = 7200): 29 updates of 512, not N_max's 40
+    bracket = [plan_config(JOB, p, "x").train.updates for p in log if p.stage == "retune"]
+    assert bracket == [math.ceil(2 * 7200 / 512)] * 4
+    # x1/sqrt2 needs N* 18000 > its cap: censored where its runs stopped (29 x 512), on both seeds
+    assert rows["512 lr x1/sqrt2"].reached == "0/2" and rows["512 lr x1/sqrt2"].censored == 2
+    assert any("x1/sqrt2: N* 14848 (0/2)" in n for n in result.notes)
     assert rows["512"].lr == pytest.approx(1.5e-3 * 2 * math.sqrt(2))          # sqrt rule x sqrt2
     assert rows["512"].n_star == pytest.approx(0.45 * 9000)
     assert dict(result.stage1.lr_scales)[512] == pytest.approx(math.sqrt(2))
@@ -234,9 +243,10 @@ def test_the_report_header_names_the_cpu_it_ran_on():
     from rlengine.tune.report_md import header_markdown
 
     curve = SimpleNamespace(load=(1.5, 2.5), cpu_s=9.0, wall_s=10.0, clock="cpu")
-    header = run_header(SimpleNamespace(threads=1, clock="auto"), SimpleNamespace(curves=[curve, curve]))
+    header = run_header(SimpleNamespace(threads=1, workers=2, clock="auto"), SimpleNamespace(curves=[curve, curve]))
     assert header["host"] == cpu_model() and header["cpu_isa"] == cpu_isa()
     assert header["load_min"] == 1.5 and header["load_max"] == 2.5 and header["cpu_per_wall"] == 0.9
     text = header_markdown(SimpleNamespace(header=header))
+    assert "2 runs side by side, one process each" in text
     assert f"host {cpu_model()} (" in text and "load average over the runs 1.50 to 2.50" in text
     assert "x86_64" not in text or "x86_64" in cpu_model()
