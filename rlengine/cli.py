@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta", type=float, default=0.1, help="q plateau: within delta of the best q")
     p.add_argument("--kv-bytes", type=int, default=0, help="emulate a device with this many bytes of KV cache")
     p.add_argument("--recheck", type=int, default=1, help="async configurations re-checked for J on every seed")
-    p.add_argument("--confirm-seeds", type=int, default=3, help="fresh seeds for chosen vs job (0: skip)")
+    p.add_argument("--confirm-seeds", type=int, default=3, help="fresh seeds for chosen vs coupled best (0: skip)")
     p.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds")
     p.add_argument("--clock", default="auto", choices=["auto", "wall", "cpu"],
                    help="what T measures: wall seconds, or process CPU seconds (auto: cpu for a CPU job, "

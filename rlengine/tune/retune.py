@@ -5,9 +5,13 @@ censored seeds at their budget, so it is a lower bound when any missed) exceeds 
 again at eta x 1/sqrt2 and eta x sqrt2 on every seed. The bracket member with the smallest
 censored mean N* is kept under the candidate's own label (stage1), stated as retuned; the others
 stay in the table as "B lr xF" rows of stage "retune" (never chosen). The reference is not retuned.
-A bracket run stops at CAP x the N* its seed's x1 run needed (N_max when that run missed): past
-that it has lost to x1 on its seed whatever it does later, and a run stalled on a plateau would
-otherwise take the whole budget. It is then censored there (N* > its run's N), as every miss is.
+A bracket run stops at the first of two bounds, each a point past which it cannot matter:
+- CAP x the N* its seed's x1 run needed (N_max when that run missed): it has lost to x1 there;
+- N*_ref x q_free / q_ref on its seed (stage-1 windows; q_free = responses / t_train, the
+  candidate's throughput if generation cost nothing): past it, T > T_ref whatever B_gen does.
+A run stalled on a plateau would otherwise take the whole budget. It is then censored where it
+stopped (N* > its run's N), as every miss is. A candidate whose q_free is below q_ref on every
+seed cannot win even at r_N = 1 and is not retuned.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ def censored_r_n(c: CandidateStats, ref: CandidateStats) -> float | None:
     return math.exp(sum(logs) / len(logs)) if logs else None
 
 
+def _ref(cands: Sequence[CandidateStats], reference: str) -> CandidateStats:
+    return next(c for c in cands if c.label == reference)
+
+
 def needs_retune(cands: Sequence[CandidateStats], reference: str, eps: float) -> list[CandidateStats]:
     """The sqrt-rule candidates (not the reference) with censored r_N > 1 + eps."""
     ref = next((c for c in cands if c.label == reference), None)
@@ -57,23 +65,35 @@ def _scale_label(f: float) -> str:
     return {1.0: "x1"}.get(round(f, 6), "x1/sqrt2" if f < 1 else "xsqrt2")
 
 
-def bracket_cap(hit, n_max: float) -> float:
-    """Where a bracket run stops: CAP x its seed's x1 N*, at most n_max (n_max when x1 missed)."""
-    return min(n_max, CAP * hit.n_star) if hit.reached else n_max
+def bracket_cap(hit, n_max: float, win_cap: float | None = None) -> float:
+    """Where a bracket run stops: CAP x its seed's x1 N* (when x1 reached J*), the seed's win cap
+    (N*_ref x q_free / q_ref, when known), at most n_max."""
+    cap = min(n_max, CAP * hit.n_star) if hit.reached else n_max
+    return min(cap, win_cap) if win_cap is not None else cap
 
 
 def retune(spec: TuneSpec, cands: list[CandidateStats], curves: list[RunCurve], reference: str, window: float,
-           plan_for: Callable[[int, int, float, float], RunPlan], runner: Runner, notes: list[str], n_max: float
+           plan_for: Callable[[int, int, float, float], RunPlan], runner: Runner, notes: list[str], n_max: float,
+           win_caps: dict[tuple[str, int], float] | None = None
            ) -> tuple[list[CandidateStats], list[RunCurve], dict[int, float]]:
     """Run the bracket of every candidate that needs it, all of them as one list of plans (runner.map
-    may run them side by side); plan_for(B_train, seed, factor, N cap). Returns (candidates,
-    curves, {B_train: LR scale kept})."""
-    todo = needs_retune(cands, reference, spec.retune_eps)
+    may run them side by side); plan_for(B_train, seed, factor, N cap); win_caps: (label, seed) ->
+    N*_ref x q_free / q_ref. Returns (candidates, curves, {B_train: LR scale kept})."""
+    win_caps = win_caps or {}
+    todo = []
+    for cand in needs_retune(cands, reference, spec.retune_eps):
+        caps = [win_caps.get((cand.label, s)) for s in cand.seeds]
+        ref_n = {s: h.n_star for s, h in zip(_ref(cands, reference).seeds, _ref(cands, reference).hits) if h.reached}
+        if caps and all(c is not None and s in ref_n and c <= ref_n[s] for c, s in zip(caps, cand.seeds)):
+            notes.append(f"stage 1: {cand.label}: r_N > 1 + {spec.retune_eps}, not retuned: its free-generation "
+                         f"throughput is below the reference's q on every seed, so it cannot win even at r_N = 1")
+            continue
+        todo.append(cand)
     plans, keys = [], []
     for cand in todo:
         for f in BRACKET:
             for seed, hit in zip(cand.seeds, cand.hits):
-                plans.append(plan_for(cand.b_train, seed, f, bracket_cap(hit, n_max)))
+                plans.append(plan_for(cand.b_train, seed, f, bracket_cap(hit, n_max, win_caps.get((cand.label, seed)))))
                 keys.append((cand.label, f, seed))
     runs: dict[tuple[str, float], list[RunCurve]] = {}
     for (label, f, seed), curve in zip(keys, run_plans(runner, plans)):
@@ -94,7 +114,7 @@ def retune(spec: TuneSpec, cands: list[CandidateStats], curves: list[RunCurve], 
                             for f, m in sorted(members.items()))
         text = f"retuned: eta {_scale_label(best)} kept" if best != 1.0 else "bracket run: the sqrt-rule eta kept"
         notes.append(f"stage 1: {cand.label}: r_N > 1 + {spec.retune_eps}; {text} (censored mean N* {summary}; "
-                     f"bracket runs stop at {CAP:g} x their seed's x1 N*)")
+                     f"bracket runs stop at {CAP:g} x their seed's x1 N* or where they can no longer win)")
         cands, curves = _swap(cands, curves, cand, members, best, text)
     return cands, curves, scales
 

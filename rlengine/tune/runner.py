@@ -74,8 +74,9 @@ def cpu_phase_timer(device):
     return CpuPhaseTimer(device)
 
 
-def plan_config(job: dict, plan: RunPlan, run_dir: Path) -> TrainConfig:
-    """The validated TrainConfig of `plan`: the job dict with the plan's overrides and its directory."""
+def plan_config(job: dict, plan: RunPlan, run_dir: Path, *, warmstart_cache: str = "") -> TrainConfig:
+    """The validated TrainConfig of `plan`: the job dict with the plan's overrides and its directory
+    (and run.warmstart_cache: the tune's runs share each seed's warm start, the same bits)."""
     d = copy.deepcopy(job)
     for key, value in plan.overrides:
         section, name = key.split(".", 1)
@@ -83,6 +84,8 @@ def plan_config(job: dict, plan: RunPlan, run_dir: Path) -> TrainConfig:
             raise ConfigError(f"tune: override {key} names no config field")
         d[section][name] = value
     d["run"].update(out_dir=str(run_dir), seed=plan.seed, progress=False, checkpoint_every=0)
+    if warmstart_cache:
+        d["run"]["warmstart_cache"] = warmstart_cache
     return TrainConfig.from_dict(d)
 
 
@@ -104,8 +107,10 @@ def engine_facts(llm) -> EngineFacts:
 def _same_run(saved: dict, cfg: TrainConfig, clock: str) -> bool:
     """A finished run's tune_run.json describes `cfg` on `clock` (its directory may have moved)."""
     a, b = saved.get("config") or {}, json.loads(json.dumps(cfg.to_dict()))
-    if "run" in a:
+    if "run" in a:  # where the run and its warm-start cache lie does not change what it computed
         a = {**a, "run": {**a["run"], "out_dir": b["run"]["out_dir"]}}
+        a["run"].pop("warmstart_cache", None)
+        b["run"].pop("warmstart_cache", None)
     return a == b and saved.get("clock", "wall") == clock
 
 
@@ -142,6 +147,7 @@ class TrainerRunner:
         self.start = time.perf_counter()
         self.done = 0
         self.python = sys.executable          # the interpreter worker processes run
+        self.warmstart_cache = str(self.out_dir / "warmstart")
 
     @property
     def elapsed(self) -> float:
@@ -161,7 +167,7 @@ class TrainerRunner:
         todo = []
         for i, plan in enumerate(plans):
             run_dir = self.root / plan.name
-            cfg = plan_config(self.job, plan, run_dir)
+            cfg = plan_config(self.job, plan, run_dir, warmstart_cache=self.warmstart_cache)
             done = self._finished(plan, cfg, run_dir)
             if done is not None:
                 out[i] = done
@@ -210,7 +216,8 @@ class TrainerRunner:
         logs.mkdir(parents=True, exist_ok=True)
         task = logs / f"{plan.name}.json"
         task.write_text(json.dumps({"job": self.job, "plan": dataclasses.asdict(plan), "out_dir": str(self.out_dir),
-                                    "clock": self.clock, "threads": self.threads}))
+                                    "clock": self.clock, "threads": self.threads,
+                                    "warmstart_cache": self.warmstart_cache}))
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         with open(logs / f"{plan.name}.log", "w") as fh:
             return subprocess.Popen([self.python, "-m", "rlengine.tune.worker", str(task)], stdout=fh,

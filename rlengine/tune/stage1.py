@@ -16,7 +16,7 @@ from typing import Callable
 
 from rlengine.config import ConfigError
 from rlengine.tune.curves import candidate_stats, group_curves, lr_effective
-from rlengine.tune.ladder import implied_max_lag
+from rlengine.tune.ladder import implied_max_lag, window_point
 from rlengine.tune.retune import retune
 from rlengine.tune.runner import run_plans
 from rlengine.tune.types import RunCurve, RunPlan, Stage1Result, TuneSpec
@@ -106,7 +106,8 @@ def run_stage1(spec: TuneSpec, runner: Runner, notes: list[str]) -> Stage1Result
             over["train.updates"] = min(over["train.updates"], math.ceil(n_cap / b))
             return RunPlan(name=f"rt-b{b}-x{f:.3f}-s{seed}", stage="retune", label=f"{b} lr x{f:.3f}", seed=seed,
                            overrides=tuple(over.items()), target_j=_stop(spec))
-        cands, curves, scales = retune(spec, cands, curves, f"{b0}", window, plan_for, runner, notes, n_max)
+        cands, curves, scales = retune(spec, cands, curves, f"{b0}", window, plan_for, runner, notes, n_max,
+                                       win_caps(spec, curves, cands, f"{b0}"))
     for c in cands:
         if not c.all_reached:
             notes.append(f"stage 1: {c.label} reached J* = {spec.target_j} on {c.reached}/{len(c.hits)} seeds "
@@ -114,6 +115,24 @@ def run_stage1(spec: TuneSpec, runner: Runner, notes: list[str]) -> Stage1Result
     return Stage1Result(reference=f"{b0}", b0=b0, eta0=eta0, n_max=n_max, eval_every=every,
                         candidates=tuple(cands), curves=tuple(curves), grad_window=window,
                         lr_scales=tuple(sorted(scales.items())))
+
+
+def win_caps(spec: TuneSpec, curves: list[RunCurve], cands, reference: str) -> dict[tuple[str, int], float]:
+    """(label, seed) -> the N past which that candidate cannot beat the reference on that seed even
+    with free generation: N*_ref,s x q_free(B, s) / q_ref,s, from the coupled stage-1 windows
+    (the updates stage 2's probes measure), where the reference reached J* on the seed."""
+    ref = next((c for c in cands if c.label == reference), None)
+    if ref is None:
+        return {}
+    ref_n = {s: h.n_star for s, h in zip(ref.seeds, ref.hits) if h.reached}
+    win = {(c.label, c.seed): window_point(c, c.b_train, spec.probe_skip, spec.probe_updates)
+           for c in curves if c.stage == "stage1" and c.update_n}
+    out = {}
+    for (label, seed), p in win.items():
+        r = win.get((reference, seed))
+        if label != reference and r is not None and seed in ref_n and r.q > 0 and math.isfinite(p.q_free):
+            out[(label, seed)] = ref_n[seed] * p.q_free / r.q
+    return out
 
 
 def lr_scale(s1: Stage1Result, b_train: int) -> float:

@@ -25,7 +25,8 @@ def main(argv: list[str]) -> int:
                    overrides=tuple((k, v) for k, v in p["overrides"]), target_j=p["target_j"])
     runner = TrainerRunner(task["job"], task["out_dir"], clock=task["clock"], threads=task["threads"])
     run_dir = runner.root / plan.name
-    runner.execute(plan, plan_config(task["job"], plan, run_dir), run_dir)
+    cfg = plan_config(task["job"], plan, run_dir, warmstart_cache=task.get("warmstart_cache", ""))
+    runner.execute(plan, cfg, run_dir)
     return 0
 
 

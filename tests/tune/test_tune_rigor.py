@@ -19,7 +19,7 @@ from rlengine.tune.retune import censored_mean_n, censored_r_n
 from rlengine.tune.runner import plan_config
 from rlengine.tune.stats import isotonic, monotone_crossing, paired_log_ratio, t975
 from rlengine.tune.types import CandidateStats, RunCurve, RunPlan, TargetHit
-from tests.tune.test_tune import JOB, TARGET, spec, synthetic_runner
+from tests.tune.test_tune import D0, D1, GAMMA, JOB, TARGET, spec, synthetic_runner
 
 
 def test_paired_log_ratio_interval_by_hand():
@@ -179,12 +179,14 @@ def test_lr_retune_keeps_the_best_of_the_bracket(tmp_path):
     log = []
     result = tune(s, tmp_path, runner=lr_runner(log), log=lambda x: None)
     rows = {r.label: r for r in result.rows}
-    # a bracket run stops at 2 x its seed's x1 N* (0.45 x 16000 = 7200): 29 updates of 512, not N_max's 40
+    # a bracket run stops at min(2 x its seed's x1 N*, N*_ref x q_free / q_ref): x1 N* = 0.45 x 16000;
+    # over the window (updates 2-6) q_free(512) = 1 / GAMMA and q_ref = 128 / (D0 + D1 128 + GAMMA 128)
+    win = 0.45 * 8000 * (1 / GAMMA) / (128 / (D0 + D1 * 128 + GAMMA * 128))     # 8212.5 < 2 x 7200
     bracket = [plan_config(JOB, p, "x").train.updates for p in log if p.stage == "retune"]
-    assert bracket == [math.ceil(2 * 7200 / 512)] * 4
-    # x1/sqrt2 needs N* 18000 > its cap: censored where its runs stopped (29 x 512), on both seeds
+    assert bracket == [math.ceil(min(2 * 7200, win) / 512)] * 4 == [17] * 4
+    # x1/sqrt2 needs N* 18000 > its cap: censored where its runs stopped (17 x 512), on both seeds
     assert rows["512 lr x1/sqrt2"].reached == "0/2" and rows["512 lr x1/sqrt2"].censored == 2
-    assert any("x1/sqrt2: N* 14848 (0/2)" in n for n in result.notes)
+    assert any("x1/sqrt2: N* 8704 (0/2)" in n for n in result.notes)
     assert rows["512"].lr == pytest.approx(1.5e-3 * 2 * math.sqrt(2))          # sqrt rule x sqrt2
     assert rows["512"].n_star == pytest.approx(0.45 * 9000)
     assert dict(result.stage1.lr_scales)[512] == pytest.approx(math.sqrt(2))
@@ -250,3 +252,20 @@ def test_the_report_header_names_the_cpu_it_ran_on():
     assert "2 runs side by side, one process each" in text
     assert f"host {cpu_model()} (" in text and "load average over the runs 1.50 to 2.50" in text
     assert "x86_64" not in text or "x86_64" in cpu_model()
+
+
+def test_retune_skips_a_candidate_that_cannot_win(monkeypatch):
+    """512 needs a retune (r_N = 2), but if even free generation keeps its q below the reference's on
+    every seed (win cap N*_ref x q_free / q_ref < N*_ref), no LR can make it win: no bracket is run."""
+    from rlengine.tune import stage1
+
+    n_ref = 0.45 * 8000
+    monkeypatch.setattr(stage1, "win_caps", lambda *a: {("512", s): 0.9 * n_ref for s in (0, 1)})
+    log, notes = [], []
+    s1 = stage1.run_stage1(spec(b_train=(128, 512), fixed_lr=False), synthetic_runner(log), notes)
+    assert not [p for p in log if p.stage == "retune"] and not s1.lr_scales
+    assert any("512: r_N > 1 + 0.1, not retuned" in n and "cannot win even at r_N = 1" in n for n in notes)
+    monkeypatch.setattr(stage1, "win_caps", lambda *a: {("512", 0): 0.9 * n_ref, ("512", 1): 1.1 * n_ref})
+    log = []
+    stage1.run_stage1(spec(b_train=(128, 512), fixed_lr=False), synthetic_runner(log), [])
+    assert len([p for p in log if p.stage == "retune"]) == 4      # one seed could still win: bracket runs

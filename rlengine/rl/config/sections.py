@@ -273,6 +273,7 @@ class RunSection:
     dist_timeout_s: float = 300.0        # a collective that waits longer than this fails the job (several ranks)
     save_timeout_s: float = 21600.0      # how long ranks wait for a checkpoint save (its own group)
     async_checkpoint: bool = False       # write checkpoints in the background while training goes on
+    warmstart_cache: str = ""            # directory of warm-started weights shared by runs ("" = none)
 
     def __post_init__(self):
         _check("/" not in self.name and self.name not in (".", ".."),

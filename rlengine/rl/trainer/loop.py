@@ -16,11 +16,13 @@ import contextlib
 import time
 from pathlib import Path
 
+import torch
+
 from rlengine.rl.algo.overlong import shape_overlong
 from rlengine.rl.algo.schedule import lr_factor
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.data.tasks import assign_token_credits
-from rlengine.rl.data.warmstart import format_warmstart
+from rlengine.rl.data.warmstart import cached_warmstart, format_warmstart, warmstart_key
 from rlengine.rl.distributed import Dist, init_from_env
 from rlengine.rl.learner.batching import grpo_batch, ppo_batch
 from rlengine.rl.rollout.collector import CollectStats
@@ -99,8 +101,14 @@ class Trainer:
         self.warmstart_losses = []
         if self.resume_dir is None and w.steps:
             with self.console.status(f"format warm start: {w.steps} supervised steps"):
-                self.warmstart_losses = format_warmstart(self.model, self.tok, self.task, steps=w.steps, lr=w.lr,
-                                                         batch=w.batch, seed=cfg.run.seed, encode_prompt=p.encode)
+                def warm():
+                    return format_warmstart(self.model, self.tok, self.task, steps=w.steps, lr=w.lr, batch=w.batch,
+                                            seed=cfg.run.seed, encode_prompt=p.encode)
+                if cfg.run.warmstart_cache:
+                    key = warmstart_key(cfg.to_dict(), threads=torch.get_num_threads(), device=str(self.model.device))
+                    self.warmstart_losses, _ = cached_warmstart(self.model, cfg.run.warmstart_cache, key, warm)
+                else:
+                    self.warmstart_losses = warm()
         # Built after the warm start: the KL reference and the PPO critic start from the policy at
         # update 0, not from the random initialisation (on resume, the checkpoint restores both).
         slow = [f"resuming from {self.resume_dir}"] * (self.resume_dir is not None) + \

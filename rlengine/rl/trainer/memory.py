@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -60,9 +60,14 @@ def job_shape(tc) -> JobShape:
                       num_eval=t.num_eval, seed=t.seed)
     eval_problems = [p for es in build_eval_sets(task, tc.eval) for p in es.problems] if tc.eval.sets else task.eval
     encode = tokenizer_for(tc.model.name).encode
-    longest = max(len(encode(p.prompt)) for p in task.train + eval_problems)
-    mpe = model_config(tc.model.name).max_position_embeddings
-    return JobShape(min(longest + tc.gen.max_tokens + 1, mpe), eval_seqs_for(tc, len(eval_problems)))
+    return shape_of(tc, [len(encode(p.prompt)) for p in task.train + eval_problems], len(eval_problems),
+                    model_config(tc.model.name).max_position_embeddings)
+
+
+def shape_of(tc, prompt_lens: Sequence[int], eval_problems: int, max_positions: int) -> JobShape:
+    """JobShape from the job's prompt lengths (train and eval, tokens): the longest + gen.max_tokens
+    + 1 (the token sampled last), capped at max_positions; the eval batch for eval_problems."""
+    return JobShape(min(max(prompt_lens) + tc.gen.max_tokens + 1, max_positions), eval_seqs_for(tc, eval_problems))
 
 
 def eval_seqs_for(tc, eval_problems: int) -> int:

@@ -30,8 +30,8 @@ from rlengine.rl.distributed import Dist
 from rlengine.rl.learner.learner import Learner
 from rlengine.rl.rollout.collector import PrioritySampler, RolloutCollector
 from rlengine.rl.rollout.evaluation import EvalSet, Evaluator, build_eval_sets
-from rlengine.rl.trainer.memory import (CUDA_WORKSPACE_BYTES, CudaPeak, JobShape, cuda_context_bytes, eval_seqs_for,
-                                        host_memory_per_rank, learner_peak, plan_job, sequences_per_rank)
+from rlengine.rl.trainer.memory import (CUDA_WORKSPACE_BYTES, CudaPeak, JobShape, cuda_context_bytes,
+                                        host_memory_per_rank, learner_peak, plan_job, sequences_per_rank, shape_of)
 
 
 @dataclass(slots=True)
@@ -87,12 +87,13 @@ def build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode,
     check_job_prompts(task, eval_sets if cfg.eval.sets else [], encode,
                       max_position_embeddings=model.config.max_position_embeddings, max_tokens=g.max_tokens)
     eval_problems = [p for es in eval_sets for p in es.problems]
-    max_len = max(len(encode(p.prompt)) for p in task.train + eval_problems) + g.max_tokens + 1
-    common = dict(block_size=g.block_size, max_model_len=min(max_len, model.config.max_position_embeddings),
+    shape = shape_of(cfg, [len(encode(p.prompt)) for p in task.train + eval_problems], len(eval_problems),
+                     model.config.max_position_embeddings)
+    common = dict(block_size=g.block_size, max_model_len=shape.max_model_len,
                   attention_backend=cfg.attention_backend, enforce_eager=g.enforce_eager, cpu_kernels=g.cpu_kernels,
                   batch_invariant=g.batch_invariant, shared_prefix_decode=g.shared_prefix_decode)
-    eval_seqs = eval_seqs_for(cfg, len(eval_problems))
-    memory_plan = plan_engines(cfg, model, JobShape(common["max_model_len"], eval_seqs), dist)
+    eval_seqs = shape.eval_seqs
+    memory_plan = plan_engines(cfg, model, shape, dist)
     num_kv_blocks = memory_plan.num_kv_blocks
     llm = LLM(model, max_num_seqs=g.b_gen, num_kv_blocks=num_kv_blocks, seed=cfg.run.seed,
               record_routing=g.record_routing, **common)
