@@ -2,8 +2,9 @@
 
 A candidate whose samples-to-target penalty r_N (paired over seeds against the reference,
 censored seeds at their budget, so it is a lower bound when any missed) exceeds 1 + eps is run
-again at eta x 1/sqrt2 and eta x sqrt2 on every seed. The bracket member with the smallest
-censored mean N* is kept under the candidate's own label (stage1), stated as retuned; the others
+again at eta x 1/sqrt2 and eta x sqrt2 on every seed. The bracket member that reached J* on the
+most seeds, then with the smallest censored mean N* (x1 on a tie), is kept under the candidate's
+own label (stage1), stated as retuned; the others
 stay in the table as "B lr xF" rows of stage "retune" (never chosen). The reference is not retuned.
 A bracket run stops at the first of two bounds, each a point past which it cannot matter:
 - CAP x the N* its seed's x1 run needed (N_max when that run missed): it has lost to x1 there;
@@ -65,6 +66,13 @@ def _scale_label(f: float) -> str:
     return {1.0: "x1"}.get(round(f, 6), "x1/sqrt2" if f < 1 else "xsqrt2")
 
 
+def keep_order(c: CandidateStats, factor: float) -> tuple:
+    """Sort key of the bracket members, best first: more seeds that reached J*, then the smaller
+    censored mean N*, then the rule's own x1. A censored N* is a lower bound, so a member that
+    missed J* where another reached it never wins on a smaller censored mean."""
+    return -c.reached, censored_mean_n(c), factor != 1.0
+
+
 def bracket_cap(hit, n_max: float, win_cap: float | None = None) -> float:
     """Where a bracket run stops: CAP x its seed's x1 N* (when x1 reached J*), the seed's win cap
     (N*_ref x q_free / q_ref, when known), at most n_max."""
@@ -108,7 +116,7 @@ def retune(spec: TuneSpec, cands: list[CandidateStats], curves: list[RunCurve], 
             got = runs.get((cand.label, f), [])
             if len(got) == len(cand.seeds):
                 members[f] = (candidate_stats(got, spec.target_j, window), got)
-        best = min(members, key=lambda f: censored_mean_n(members[f][0]))
+        best = min(members, key=lambda f: keep_order(members[f][0], f))
         scales[cand.b_train] = best
         summary = ", ".join(f"{_scale_label(f)}: N* {censored_mean_n(m[0]):.0f} ({m[0].reached}/{len(m[0].hits)})"
                             for f, m in sorted(members.items()))

@@ -269,3 +269,18 @@ def test_retune_skips_a_candidate_that_cannot_win(monkeypatch):
     log = []
     stage1.run_stage1(spec(b_train=(128, 512), fixed_lr=False), synthetic_runner(log), [])
     assert len([p for p in log if p.stage == "retune"]) == 4      # one seed could still win: bracket runs
+
+
+def test_a_censored_bracket_member_never_beats_one_that_reached(monkeypatch):
+    """The win cap (6000) is below x1's own N* (7200): every bracket run stops at 12 x 512 = 6144
+    without reaching J*, so its censored mean (6144) is under x1's N*. A lower bound is not a
+    smaller N*: x1 (2/2 reached) is kept, not a member that reached on 0/2 seeds."""
+    from rlengine.tune import stage1
+
+    monkeypatch.setattr(stage1, "win_caps", lambda *a: {("512", s): 6000.0 for s in (0, 1)})
+    log, notes = [], []
+    s1 = stage1.run_stage1(spec(b_train=(128, 512), fixed_lr=False), synthetic_runner(log), notes)
+    assert [plan_config(JOB, p, "x").train.updates for p in log if p.stage == "retune"] == [12] * 4
+    kept = next(c for c in s1.candidates if c.label == "512")
+    assert dict(s1.lr_scales)[512] == 1.0 and kept.reached == 2 and kept.hits[0].n_star == pytest.approx(7200)
+    assert any("512: r_N > 1 + 0.1; bracket run: the sqrt-rule eta kept" in n for n in notes)
