@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 from rlengine.tune.curves import candidate_stats, group_curves, lr_effective, read_run, target_hit
 from rlengine.tune.runner import TrainerRunner, plan_config, run_plans
 from rlengine.tune.stage1 import budgets, curve_overrides, lr_scale, run_stage1
-from rlengine.tune.stats import paired_log_ratio
+from rlengine.tune.stats import faster_per_seed, paired_log_ratio, sign_test_p
 from rlengine.tune.stage2 import run_stage2
 from rlengine.tune.table import build_rows, choose_row
 from rlengine.tune.types import (Confirmation, GenPoint, GenSweep, RunCurve, RunPlan, RunsReport, TableRow,
@@ -58,23 +58,29 @@ def confirm(spec: TuneSpec, chosen: tuple[str, tuple], baseline: tuple[str, tupl
                           target_j=stop),
                   RunPlan(name=f"cf-tuned-s{seed}", stage="confirm", label=f"tuned {label}", seed=seed,
                           overrides=chosen_over, target_j=stop)]
-    t_c, t_d, curves = [], [], []
+    t_c, t_d, end_c, end_d, curves = [], [], [], [], []
     for plan, curve in zip(plans, run_plans(runner, plans)):
-        out = t_c if plan.name.startswith("cf-tuned") else t_d
+        out, end = (t_c, end_c) if plan.name.startswith("cf-tuned") else (t_d, end_d)
         if curve is None:
             notes.append(f"confirmation: {plan.label} seed {plan.seed} not run (time budget spent)")
             out.append(None)
+            end.append(0.0)
             continue
         curves.append(curve)
         out.append(target_hit(curve, spec.target_j).t_star)
+        end.append(curve.update_t[-1] if curve.update_t else 0.0)
     ratio = tuple(c / d for c, d in zip(t_c, t_d) if c is not None and d is not None)
     mc = [t for t in t_c if t is not None]
     md = [t for t in t_d if t is not None]
     rom = (sum(mc) / len(mc)) / (sum(md) / len(md)) if mc and md else None
     pairs = [(c, d) for c, d in zip(t_c, t_d) if c and d]
     ci = paired_log_ratio([c for c, _ in pairs], [d for _, d in pairs]) if pairs else None
+    order = faster_per_seed(t_c, t_d, end_c, end_d)
+    known = [f for f in order if f is not None]
     return Confirmation(chosen=label, default=base_label, seeds=seeds, t_chosen=tuple(t_c), t_default=tuple(t_d),
-                        ratio=ratio, ratio_of_means=rom, interval=dataclasses.asdict(ci) if ci else None), curves
+                        ratio=ratio, ratio_of_means=rom, interval=dataclasses.asdict(ci) if ci else None,
+                        t_chosen_end=tuple(end_c), t_default_end=tuple(end_d),
+                        faster=tuple(order), sign_p=sign_test_p(sum(known), len(known)) if known else None), curves
 
 
 def coupled_best(rows: Sequence[TableRow], reference: str) -> TableRow | None:

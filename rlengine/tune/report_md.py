@@ -139,6 +139,13 @@ def confirm_markdown(result: TuneResult) -> str:
                          f"half-width; a true effect smaller than that is indistinguishable from none here).")
             verdict = ("faster" if ci["hi"] < 1 else "slower" if ci["lo"] > 1 else "no resolvable difference")
             lines.append(f"Verdict: {verdict}.")
+    known = [(s, f) for s, f in zip(c.seeds, c.faster) if f is not None]
+    if known:
+        won = [s for s, f in known if f]
+        lines.append(f"\nOrder per seed, the seeds where one run missed J* included when the other reached it "
+                     f"before the missed run stopped: the chosen configuration was faster on {len(won)} of "
+                     f"{len(known)} seeds ({', '.join(map(str, won)) or 'none'}); two-sided sign test p = "
+                     f"{c.sign_p:.3f}. The t-interval above pairs only the seeds where both reached J*.")
     return "\n".join(lines)
 
 

@@ -89,3 +89,33 @@ def repeat_spread(values: Sequence[float]) -> float:
         raise ValueError("repeat_spread: no values")
     m = sum(values) / len(values)
     return (max(values) - min(values)) / m if len(values) > 1 and m > 0 else 0.0
+
+
+
+def faster_per_seed(t_c: Sequence[float | None], t_d: Sequence[float | None], end_c: Sequence[float],
+                    end_d: Sequence[float]) -> list[bool | None]:
+    """Per confirmation seed: True when the chosen run reached J* sooner, False when later, None when
+    the order is unknown. A run that missed J* has T* > its T at its last update (end_*), so it is
+    later than the other run when that one reached J* before the missed run stopped; when both
+    missed, the order is unknown."""
+    out: list[bool | None] = []
+    for c, d, ec, ed in zip(t_c, t_d, end_c, end_d):
+        if c is not None and d is not None:
+            out.append(c < d if c != d else None)
+        elif c is not None:
+            out.append(True if c < ed else None)
+        elif d is not None:
+            out.append(False if d < ec else None)
+        else:
+            out.append(None)
+    return out
+
+
+def sign_test_p(k: int, n: int) -> float:
+    """Two-sided exact sign test: P(a split at least as uneven as k of n | each side 1/2)."""
+    import math
+
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(max(k, n - k), n + 1)) / 2 ** n
+    return min(1.0, 2 * tail)

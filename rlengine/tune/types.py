@@ -281,6 +281,10 @@ class Confirmation:
     ratio: tuple[float, ...]             # per seed T_chosen / T_default, where both reached
     ratio_of_means: float | None
     interval: dict | None = None         # stats.Interval of the per-seed ratios (paired log ratios) as a dict
+    t_chosen_end: tuple[float, ...] = ()  # [K] each chosen run's T at its last update (a censored run's bound)
+    t_default_end: tuple[float, ...] = ()
+    faster: tuple[bool | None, ...] = ()  # [K] chosen reached J* sooner (None: order unknown, both missed)
+    sign_p: float | None = None          # two-sided sign test over the seeds whose order is known
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

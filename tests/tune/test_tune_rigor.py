@@ -284,3 +284,27 @@ def test_a_censored_bracket_member_never_beats_one_that_reached(monkeypatch):
     kept = next(c for c in s1.candidates if c.label == "512")
     assert dict(s1.lr_scales)[512] == 1.0 and kept.reached == 2 and kept.hits[0].n_star == pytest.approx(7200)
     assert any("512: r_N > 1 + 0.1; bracket run: the sqrt-rule eta kept" in n for n in notes)
+
+
+
+def test_confirmation_order_per_seed_and_sign_test():
+    """faster_per_seed by hand: both reached -> compare T; only the baseline missed -> faster when
+    the chosen run reached J* before the baseline's run stopped (its T* is beyond that); only the
+    chosen missed -> slower when the baseline reached before the chosen run stopped; both missed ->
+    unknown. The sign test is the exact binomial tail, doubled."""
+    from types import SimpleNamespace
+
+    from rlengine.tune.report_md import confirm_markdown
+    from rlengine.tune.stats import faster_per_seed, sign_test_p
+    from rlengine.tune.types import Confirmation
+
+    t_c, t_d = [1.0, None, 2.0, None, 3.0, 9.0], [2.0, None, None, 3.0, 2.0, None]
+    order = faster_per_seed(t_c, t_d, end_c=[1, 5, 2, 6, 3, 9], end_d=[2, 7, 8, 3, 2, 4])
+    assert order == [True, None, True, False, False, None]        # seed 6: 9 > the baseline's 4 at its end
+    assert sign_test_p(9, 11) == pytest.approx(2 * (55 + 11 + 1) / 2048)
+    assert sign_test_p(2, 4) == 1.0 and sign_test_p(0, 3) == pytest.approx(2 / 8)
+    conf = Confirmation(chosen="32 gen 128", default="32 (coupled best)", seeds=(3, 4, 5, 6, 7, 8),
+                        t_chosen=tuple(t_c), t_default=tuple(t_d), ratio=(0.5, 1.5), ratio_of_means=0.8,
+                        faster=tuple(order), sign_p=sign_test_p(2, 4))
+    text = confirm_markdown(SimpleNamespace(confirmation=conf, chosen="32 gen 128"))
+    assert "faster on 2 of 4 seeds (3, 5); two-sided sign test p = 1.000" in text
