@@ -104,8 +104,8 @@ FIELD_DOCS: dict[str, str] = {
     "run.tensorboard": "also write TensorBoard event files in out_dir",
     "run.overwrite": "a new run may replace the run already in out_dir",
     "run.keep_checkpoints": "keep the newest K checkpoints; 0 = all",
-    "run.warmstart_cache": "directory of warm-started weights shared by runs: a run whose warm start (model, "
-                           "task, warm-start settings, seed, threads) is stored there loads it (the same bits)",
+    "run.warmstart_cache": "directory of warm starts shared by runs: one stored for the same model, task, "
+                           "warm start, seed and threads is loaded",
     "run.dist_timeout_s": "seconds a collective may wait before the job fails (several ranks)",
     "run.save_timeout_s": "seconds ranks wait for a checkpoint save to finish (a group of its own)",
     "run.async_checkpoint": "save checkpoints in the background (sharded, torch.distributed.checkpoint)",
