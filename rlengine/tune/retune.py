@@ -43,10 +43,6 @@ def censored_r_n(c: CandidateStats, ref: CandidateStats) -> float | None:
     return math.exp(sum(logs) / len(logs)) if logs else None
 
 
-def _ref(cands: Sequence[CandidateStats], reference: str) -> CandidateStats:
-    return next(c for c in cands if c.label == reference)
-
-
 def needs_retune(cands: Sequence[CandidateStats], reference: str, eps: float) -> list[CandidateStats]:
     """The sqrt-rule candidates (not the reference) with censored r_N > 1 + eps."""
     ref = next((c for c in cands if c.label == reference), None)
@@ -89,9 +85,10 @@ def retune(spec: TuneSpec, cands: list[CandidateStats], curves: list[RunCurve], 
     N*_ref x q_free / q_ref. Returns (candidates, curves, {B_train: LR scale kept})."""
     win_caps = win_caps or {}
     todo = []
-    for cand in needs_retune(cands, reference, spec.retune_eps):
+    for cand in needs_retune(cands, reference, spec.retune_eps):  # (empty without the reference)
+        ref = next(c for c in cands if c.label == reference)
+        ref_n = {s: h.n_star for s, h in zip(ref.seeds, ref.hits) if h.reached}
         caps = [win_caps.get((cand.label, s)) for s in cand.seeds]
-        ref_n = {s: h.n_star for s, h in zip(_ref(cands, reference).seeds, _ref(cands, reference).hits) if h.reached}
         if caps and all(c is not None and s in ref_n and c <= ref_n[s] for c, s in zip(caps, cand.seeds)):
             notes.append(f"stage 1: {cand.label}: r_N > 1 + {spec.retune_eps}, not retuned: its free-generation "
                          f"throughput is below the reference's q on every seed, so it cannot win even at r_N = 1")
