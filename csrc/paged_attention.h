@@ -90,27 +90,31 @@ inline void page_accumulate(float* acc, const float* p, const float* v, int64_t 
   }
 }
 
-// x[i] = exp(x[i] - shift) for x[i] - shift <= 0, returning the sum. std::exp does not vectorise
-// without -ffast-math, and with G query heads it costs G calls per K row, as much as the dot
-// products; this is the Cody-Waite range reduction plus a degree-6 polynomial (~2 ulp), which does.
+// exp(t) for t <= 0, ~2 ulp. std::exp does not vectorise without -ffast-math, and with G query heads
+// it costs G calls per K row, as much as the dot products; this is the Cody-Waite range reduction plus
+// a degree-6 polynomial, which does (inlined into `omp simd` loops).
+inline float exp_nonpositive(float t) {
+  t = std::max(t, -87.0f);  // below this exp underflows; keeps 2^k normal
+  const float k = std::floor(t * 1.44269504f + 0.5f);  // t = k ln2 + r, |r| <= ln2 / 2
+  const float r = (t - k * 0.693359375f) + k * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
+  // a bit cast, not memcpy: a memcpy through the stack stops the vectoriser in some inlining contexts
+  return y * __builtin_bit_cast(float, bits);
+}
+
+// x[i] = exp(x[i] - shift) for x[i] - shift <= 0, returning the sum.
 inline float exp_shifted_sum(float* x, int64_t n, float shift) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
-    const float t = std::max(x[i] - shift, -87.0f);  // below this exp underflows; keeps 2^k normal
-    const float k = std::floor(t * 1.44269504f + 0.5f);  // t = k ln2 + r, |r| <= ln2 / 2
-    const float r = (t - k * 0.693359375f) + k * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
-    float two_k;
-    std::memcpy(&two_k, &bits, sizeof(two_k));
-    x[i] = y * two_k;
+    x[i] = exp_nonpositive(x[i] - shift);
     sum += x[i];
   }
   return sum;

@@ -36,6 +36,27 @@ def test_cascade_cpp_matches_references(case, dtype):
     check_against_references(cascade_cpp(batch, tables, D**-0.5), batch, D**-0.5)
 
 
+# The prefix pass's register tiles (csrc/cascade_decode.cpp): query rows in 16-lane blocks (one or two
+# per score block), keys in blocks of 8 with a tail, tiles of 64 prefix tokens with a partial last
+# tile, output columns in blocks of 64 then 16; D not a multiple of 16 takes the one-row-at-a-time
+# path. (id, groups, H, Hkv, D, P)
+TILE_CASES = [
+    ("rows-13-key-tail-p12", [(6, [3, 17, 1, 2, 5, 9, 4, 1, 8, 2, 3, 6, 7])], 2, 2, 96, 12),
+    ("rows-40-two-lane-blocks", [(5, [2 + i % 7 for i in range(20)])], 4, 2, 64, 16),
+    ("page-larger-than-tile", [(2, [1, 100, 37])], 8, 4, 32, 128),
+    ("d72-row-path", [(3, [4, 9, 2])], 4, 2, 72, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", TILE_CASES, ids=[c[0] for c in TILE_CASES])
+def test_cascade_cpp_prefix_tiles(case, dtype):
+    _, groups, H, Hkv, D, P = case
+    batch = make_group_batch(groups, H, Hkv, D, P, dtype, seed=D + P)
+    _, tables = cascade_tables(batch)
+    check_against_references(cascade_cpp(batch, tables, D**-0.5), batch, D**-0.5)
+
+
 def test_cascade_cpp_sharp_softmax_needs_the_max_in_the_merge():
     """Scores ~ 50 sigma: both levels' log-sum-exps exceed 88, so exp(lse) alone overflows fp32."""
     batch = make_group_batch([(4, [3, 11, 6])], 4, 2, 64, 8, torch.float32, seed=1, q_scale=50.0)

@@ -1,8 +1,8 @@
 """Benchmark: decode step time with and without shared-prefix (cascade) decode, side by side in one run.
 
 Three engine shapes, each generated with LLM(shared_prefix_decode=False) ("plain") and =True
-("cascade") on the cpp backend, fp32, alternating the two engines over --rounds rounds so a burst of
-load on the shared CPU hits both alike:
+("cascade") on the cpp backend in --dtype (fp32 by default), alternating the two engines over
+--rounds rounds so a burst of load on the shared CPU hits both alike:
   - grpo-512: G = 16 samples of 4 prompts of 512 tokens, 64-token responses (B_act 64), on --model;
   - default-job: the embedded default job's shape (rlengine/configs/grpo.toml: the tiny preset,
     group_size 16, prompts_per_step 8, max_tokens 4, first-digit prompts);
@@ -13,7 +13,7 @@ full B_act of every round; `attn_ms` is the attention op alone at that shape (th
 through paged_decode and cascade_decode, median over --iters calls), which says how much of the
 step attention is. Speedup = plain / cascade.
 
-    python bench/bench_shared_prefix.py [--model qwen3-30m] [--rounds 3] [--threads N] [--out DIR]
+    python bench/bench_shared_prefix.py [--model qwen3-30m] [--dtype bfloat16] [--rounds 3] [--threads N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def _cases(model: str) -> list[dict]:
             dict(case="no-sharing", model=model, G=1, prompts=long(512, 64), response=64)]
 
 
-def _engine(case: dict, shared: bool) -> LLM:
+def _engine(case: dict, shared: bool, dtype: str) -> LLM:
     B = case["G"] * len(case["prompts"])
     longest = max(map(len, case["prompts"])) + case["response"] + 1
-    return LLM(case["model"], dtype="float32", attention_backend="cpp", block_size=P, max_num_seqs=B,
+    return LLM(case["model"], dtype=dtype, attention_backend="cpp", block_size=P, max_num_seqs=B,
                max_model_len=max(longest, 64), num_kv_blocks=B * -(-longest // P) + 8,
                shared_prefix_decode=shared, seed=0)
 
@@ -63,7 +63,7 @@ def _round(llm: LLM, case: dict) -> list[float]:
     return [r.seconds for r in outs.trace if r.kind == "decode" and r.b_act == B]
 
 
-def _attention_ms(llm: LLM, case: dict, iters: int) -> tuple[float, float]:
+def _attention_ms(llm: LLM, case: dict, iters: int, dtype: str) -> tuple[float, float]:
     """(paged_decode, cascade_decode) median ms of one layer at the case's mid-response page tables."""
     cfg, G = llm.config, case["G"]
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -77,9 +77,10 @@ def _attention_ms(llm: LLM, case: dict, iters: int) -> tuple[float, float]:
         indices += shared + list(range(nxt, nxt + own))
         nxt += own
         indptr.append(len(indices))
-    k = torch.randn(nxt, P, Hkv, D)
-    v = torch.randn(nxt, P, Hkv, D)
-    q = torch.randn(B, H, D)
+    dt = getattr(torch, dtype)
+    k = torch.randn(nxt, P, Hkv, D).to(dt)
+    v = torch.randn(nxt, P, Hkv, D).to(dt)
+    q = torch.randn(B, H, D).to(dt)
     ptr_t, idx_t = torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32)
     last = torch.tensor([n - (-(-n // P) - 1) * P for n in ctx], dtype=torch.int32)
     out = torch.empty_like(q)
@@ -105,8 +106,8 @@ def _median_ms(fn, iters: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def measure(case: dict, rounds: int, iters: int) -> dict:
-    engines = {mode: _engine(case, mode) for mode in (False, True)}
+def measure(case: dict, rounds: int, iters: int, dtype: str = "float32") -> dict:
+    engines = {mode: _engine(case, mode, dtype) for mode in (False, True)}
     for mode, llm in engines.items():
         _round(llm, case)  # warm-up: kernel choices, first-touch of the KV pool
     steps = {False: [], True: []}
@@ -114,7 +115,7 @@ def measure(case: dict, rounds: int, iters: int) -> dict:
         for mode, llm in engines.items():
             steps[mode] += _round(llm, case)
     plain, cascade = (1e3 * statistics.median(steps[m]) for m in (False, True))
-    attn_plain, attn_cascade = _attention_ms(engines[True], case, iters)
+    attn_plain, attn_cascade = _attention_ms(engines[True], case, iters, dtype)
     return dict(case=case["case"], model=case["model"], G=case["G"], B_act=case["G"] * len(case["prompts"]),
                 prompt=max(map(len, case["prompts"])), response=case["response"], plain_ms=round(plain, 3),
                 cascade_ms=round(cascade, 3), speedup=round(plain / cascade, 3), attn_plain_ms=round(attn_plain, 3),
@@ -128,13 +129,15 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", default="grpo-512,default-job,no-sharing", help="comma-separated subset")
     parser.add_argument("--rounds", type=int, default=3, help="generate rounds per engine (alternating)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls of the attention op alone")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights, activations and KV cache (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default=None, help="directory for shared_prefix.json (default bench/results)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     wanted = args.cases.split(",")
-    rows = [measure(c, args.rounds, args.iters) for c in _cases(args.model) if c["case"] in wanted]
+    rows = [measure(c, args.rounds, args.iters, args.dtype) for c in _cases(args.model) if c["case"] in wanted]
     report("shared_prefix", rows, out=args.out, columns=COLUMNS,
-           extra={"threads": torch.get_num_threads(), "rounds": args.rounds, "page_size": P, "dtype": "float32"},
+           extra={"threads": torch.get_num_threads(), "rounds": args.rounds, "page_size": P, "dtype": args.dtype},
            device="cpu")

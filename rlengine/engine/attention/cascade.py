@@ -56,21 +56,22 @@ def plan_cascade(kv_indptr: np.ndarray, kv_indices: np.ndarray, max_rows: int = 
         return None
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     ends = np.append(starts[1:], B)
-    chunk_rows, chunk_prefix = [], []
-    for a, e in zip(starts.tolist(), ends.tolist()):
-        L = _common_prefix(indptr, indices, npages, a, e) if e - a > 1 else 0
-        for c in range(a, e, max_rows):
-            chunk_rows.append(min(e, c + max_rows) - c)
-            chunk_prefix.append((indptr[c], L if min(e, c + max_rows) - c > 1 else 0))
-    rows_C = np.array(chunk_rows, dtype=np.int64)
-    pages_C = np.array([n for _, n in chunk_prefix], dtype=np.int64)
+    shared = _common_prefixes(indptr, indices, npages, starts)
+    # groups cut into chunks of at most max_rows rows; a one-row chunk shares nothing
+    n_chunks = -(-(ends - starts) // max_rows)
+    first_chunk = np.cumsum(n_chunks) - n_chunks
+    chunk_start = np.repeat(starts, n_chunks) + (np.arange(int(n_chunks.sum())) - np.repeat(first_chunk, n_chunks)) * max_rows
+    rows_C = np.minimum(np.repeat(ends, n_chunks), chunk_start + max_rows) - chunk_start
+    pages_C = np.where(rows_C > 1, np.repeat(shared, n_chunks), 0)
     if not (pages_C > 0).any():
         return None
     chunk_indptr = np.zeros(len(rows_C) + 1, np.int32)
     np.cumsum(rows_C, out=chunk_indptr[1:])
     prefix_indptr = np.zeros(len(rows_C) + 1, np.int32)
     np.cumsum(pages_C, out=prefix_indptr[1:])
-    prefix_indices = np.concatenate([indices[s:s + n] for s, n in chunk_prefix] + [np.zeros(1, indices.dtype)])
+    n_prefix = int(prefix_indptr[-1])
+    prefix_at = np.repeat(indptr[chunk_start] - prefix_indptr[:-1], pages_C) + np.arange(n_prefix)
+    prefix_indices = np.append(indices[prefix_at], 0)  # one dummy entry keeps the array non-empty
     skip_B = np.repeat(pages_C, rows_C)            # leading pages each row leaves to its chunk's prefix
     own_B = npages - skip_B
     suffix_indptr = np.zeros(B + 1, np.int32)
@@ -80,11 +81,17 @@ def plan_cascade(kv_indptr: np.ndarray, kv_indices: np.ndarray, max_rows: int = 
                        indices[gather].astype(np.int32), int(rows_C.max()), int(((rows_C - 1) * pages_C).sum()))
 
 
-def _common_prefix(indptr: np.ndarray, indices: np.ndarray, npages: np.ndarray, a: int, e: int) -> int:
-    """Leading pages rows a..e-1 all list, at most each row's page count minus one (whole pages only)."""
-    m = int(npages[a:e].min()) - 1
-    lead = indices[indptr[a]:indptr[a] + m]
-    same = np.ones(m, dtype=bool)
-    for r in range(a + 1, e):
-        same &= indices[indptr[r]:indptr[r] + m] == lead
-    return m if same.all() else int(np.argmin(same))
+def _common_prefixes(indptr: np.ndarray, indices: np.ndarray, npages: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per group (rows starts[g] .. starts[g+1]-1): the leading pages all its rows list, at most each
+    row's page count minus one (whole pages only). One pass over a [B, max pages] table: a row's
+    match length against its group's first row, then the minimum per group (equality with the first
+    row is transitive, so that is the common prefix)."""
+    B = npages.shape[0]
+    col = np.arange(int(npages.max()))
+    pos = np.minimum(indptr[:-1, None] + col, indices.shape[0] - 1)
+    table = np.where(col < npages[:, None], indices[pos], -1)
+    leader = np.repeat(starts, np.diff(np.append(starts, B)))
+    cap = np.minimum(npages, npages[leader]) - 1
+    same = (table == table[leader]) & (col < cap[:, None])
+    match = np.argmin(np.concatenate([same, np.zeros((B, 1), dtype=bool)], axis=1), axis=1)
+    return np.minimum.reduceat(match, starts)
