@@ -6,7 +6,8 @@
 #                                       bf16 included, in 4 parallel pytest shards
 #   tools/gpu_check.sh bench [COMMIT]   the build if the machine has none, then ceilings, decode sweep
 #                                       (Qwen3-0.6B shape, CUDA graphs, NVML), paged decode at long contexts,
-#                                       fused MoE fwd+bwd vs torch._grouped_mm, fused log-prob time and memory
+#                                       fused MoE fwd+bwd vs torch._grouped_mm, fused log-prob time and memory,
+#                                       shared-prefix (cascade) decode vs plain decode in Triton
 # Results: every log, junit XML and bench JSON of a step is packed into $OUT/gpu_check_<step>.tar.gz, and
 # $OUT/gpu_check_<step>.json holds the conditions (commit, GPU, driver, torch/triton), each part's exit
 # status and seconds, one summary line per goal and the goals' values: two files per step ($OUT defaults
@@ -103,12 +104,14 @@ run_bench_step() {
   [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin bench "$WORK"
   part ceilings 25 bench ceilings python3 -m rlengine.cli bench ceilings --device cuda --out "$WORK" || STATUS=1
   local ceil=(); [ -f "$WORK/ceilings.json" ] && ceil=(--ceilings "$WORK/ceilings.json")
-  part decode 55 bench decode python3 -m rlengine.cli bench decode --model qwen3-0.6b --dtype bfloat16 \
+  part decode 50 bench decode python3 -m rlengine.cli bench decode --model qwen3-0.6b --dtype bfloat16 \
     --batches 1,64 --no-hf --gen-len 32 --reps 3 "${ceil[@]}" --out "$WORK" --name decode || STATUS=1
   part paged_decode 35 bench paged_decode python3 bench/bench_paged_decode.py --grid "B=1,8,64 ctx=4096,32768" \
     "${ceil[@]}" --out "$WORK" || STATUS=1
-  part moe 50 bench moe python3 bench/bench_moe.py --grid "T=4096,32768" "${ceil[@]}" --out "$WORK" || STATUS=1
+  part moe 40 bench moe python3 bench/bench_moe.py --grid "T=4096,32768" "${ceil[@]}" --out "$WORK" || STATUS=1
   part logprob 35 bench logprob python3 bench/bench_logprob.py "${ceil[@]}" --out "$WORK" || STATUS=1
+  part shared_prefix 25 bench shared_prefix python3 bench/bench_shared_prefix.py --backend triton \
+    --model qwen3-0.6b --dtype bfloat16 --cases grpo-512 --rounds 2 --iters 20 --out "$WORK" || STATUS=1
 }
 
 export DRY WORK STEP

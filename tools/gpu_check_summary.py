@@ -24,7 +24,7 @@ import tarfile
 import xml.etree.ElementTree as ET
 
 TEST_SHARDS = ("paged_decode", "kernels", "engine", "others")
-BENCH_PARTS = ("ceilings", "decode", "paged_decode", "bench_moe", "bench_logprob")
+BENCH_PARTS = ("ceilings", "decode", "paged_decode", "bench_moe", "bench_logprob", "shared_prefix")
 
 
 def _smi(query: str) -> str | None:
@@ -120,6 +120,12 @@ def _bench_lines(work: str, goals: dict) -> list[str]:
             lines.append(f"fused log-prob fwd+bwd T={r['T']} V={r['V']}: {r['ms']:.1f} ms, peak "
                          f"{r['peak_extra_mb']:.0f} MiB, {ratio:.1f}x less than materialised logits (goal >= 8) "
                          f"{'OK' if ratio >= 8 else 'MISS'}" if ratio else f"fused log-prob: no memory ratio ({r})")
+    sp = _load(work, "shared_prefix.json")
+    for r in (sp or {}).get("rows", []):
+        goals[f"shared_prefix_{r['case']}_step_speedup"] = r["speedup"]
+        lines.append(f"shared-prefix decode {r['case']} {r['model']} B_act={r['B_act']}: step {r['speedup']:.2f}x, "
+                     f"attention {r['attn_speedup']:.2f}x over plain decode (triton, eager steps; "
+                     f"{r['cascade_steps']} cascade steps)")
     missing = [n for n in BENCH_PARTS if not _load(work, n + ".json")]
     if missing:
         lines.append(f"no result from: {', '.join(missing)} (not run, timed out or failed: see its log)")
@@ -200,6 +206,8 @@ def standin(step: str, work: str) -> None:
                                 "vs_grouped_mm": 1.3}]},
         "bench_logprob": {"rows": [{"provider": "fused", "mode": "fwd+bwd", "entropy": True, "T": 8192,
                                     "V": 151936, "ms": 20.0, "peak_extra_mb": 300.0, "mem_ratio": 9.0}]},
+        "shared_prefix": {"rows": [{"case": "grpo-512", "model": "qwen3-0.6b", "B_act": 64, "speedup": 1.2,
+                                    "attn_speedup": 3.0, "cascade_steps": 126}]},
     }
     for name, data in files.items():
         json.dump({"name": name, **data, **cond}, open(os.path.join(work, f"{name}.json"), "w"))

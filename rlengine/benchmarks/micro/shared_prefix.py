@@ -34,7 +34,7 @@ COLUMNS = ["case", "model", "G", "B_act", "prompt", "response", "plain_ms", "cas
            "attn_plain_ms", "attn_cascade_ms", "attn_speedup", "cascade_steps"]
 
 
-def _cases(model: str) -> list[dict]:
+def _cases(model: str, prompt_len: int = 512, response: int = 64) -> list[dict]:
     from rlengine.model.factory import tokenizer_for
     from rlengine.rl.data.tasks import build_task
 
@@ -42,17 +42,18 @@ def _cases(model: str) -> list[dict]:
     digits = [tok.encode(p.prompt) for p in build_task("first-digit").train[:8]]
     gen = torch.Generator().manual_seed(0)
     long = lambda n, k: [torch.randint(3, 250, (n,), generator=gen).tolist() for _ in range(k)]  # noqa: E731
-    return [dict(case="grpo-512", model=model, G=16, prompts=long(512, 4), response=64),
+    return [dict(case=f"grpo-{prompt_len}", model=model, G=16, prompts=long(prompt_len, 4), response=response),
             dict(case="default-job", model="tiny", G=16, prompts=digits, response=4),
-            dict(case="no-sharing", model=model, G=1, prompts=long(512, 64), response=64)]
+            dict(case="no-sharing", model=model, G=1, prompts=long(prompt_len, 64), response=response)]
 
 
-def _engine(case: dict, shared: bool, dtype: str) -> LLM:
+def _engine(case: dict, shared: bool, dtype: str, backend: str, device: str) -> LLM:
     B = case["G"] * len(case["prompts"])
     longest = max(map(len, case["prompts"])) + case["response"] + 1
-    return LLM(case["model"], dtype=dtype, attention_backend="cpp", block_size=P, max_num_seqs=B,
+    # eager steps on both sides: CUDA-graph replays run plain decode (README, shared-prefix decode)
+    return LLM(case["model"], dtype=dtype, attention_backend=backend, device=device, block_size=P, max_num_seqs=B,
                max_model_len=max(longest, 64), num_kv_blocks=B * -(-longest // P) + 8,
-               shared_prefix_decode=shared, seed=0)
+               shared_prefix_decode=shared, seed=0, enforce_eager=True)
 
 
 def _round(llm: LLM, case: dict) -> list[float]:
@@ -63,7 +64,7 @@ def _round(llm: LLM, case: dict) -> list[float]:
     return [r.seconds for r in outs.trace if r.kind == "decode" and r.b_act == B]
 
 
-def _attention_ms(llm: LLM, case: dict, iters: int, dtype: str) -> tuple[float, float]:
+def _attention_ms(llm: LLM, case: dict, iters: int, dtype: str, backend: str, device: str) -> tuple[float, float]:
     """(paged_decode, cascade_decode) median ms of one layer at the case's mid-response page tables."""
     cfg, G = llm.config, case["G"]
     H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -78,36 +79,52 @@ def _attention_ms(llm: LLM, case: dict, iters: int, dtype: str) -> tuple[float, 
         nxt += own
         indptr.append(len(indices))
     dt = getattr(torch, dtype)
-    k = torch.randn(nxt, P, Hkv, D).to(dt)
-    v = torch.randn(nxt, P, Hkv, D).to(dt)
-    q = torch.randn(B, H, D).to(dt)
-    ptr_t, idx_t = torch.tensor(indptr, dtype=torch.int32), torch.tensor(indices, dtype=torch.int32)
-    last = torch.tensor([n - (-(-n // P) - 1) * P for n in ctx], dtype=torch.int32)
+    k = torch.randn(nxt, P, Hkv, D).to(device, dt)
+    v = torch.randn(nxt, P, Hkv, D).to(device, dt)
+    q = torch.randn(B, H, D).to(device, dt)
+    i32 = lambda x: torch.as_tensor(np.asarray(x, dtype=np.int32)).to(device)  # noqa: E731
+    ptr_t, idx_t = i32(indptr), i32(indices)
+    last = i32([n - (-(-n // P) - 1) * P for n in ctx])
     out = torch.empty_like(q)
-    plain = lambda: torch.ops.rlengine.paged_decode(q, k, v, ptr_t, idx_t, last, D**-0.5, out)  # noqa: E731
     plan = plan_cascade(np.array(indptr), np.array(indices, dtype=np.int32))
-    if plan is None:
-        fn = plain
-    else:
-        tables = [torch.from_numpy(a) for a in (plan.chunk_indptr, plan.prefix_indptr, plan.prefix_indices,
-                                                plan.suffix_indptr, plan.suffix_indices)]
+    tables = None if plan is None else [i32(a) for a in (plan.chunk_indptr, plan.prefix_indptr, plan.prefix_indices,
+                                                          plan.suffix_indptr, plan.suffix_indices)]
+    if backend == "cpp":
+        plain = lambda: torch.ops.rlengine.paged_decode(q, k, v, ptr_t, idx_t, last, D**-0.5, out)  # noqa: E731
         po, pl = torch.empty(B * H * D), torch.empty(B * H)
-        fn = lambda: torch.ops.rlengine.cascade_decode(q, k, v, *tables, last, D**-0.5, po, pl, out)  # noqa: E731
-    return _median_ms(plain, iters), _median_ms(fn, iters)
+        cascade = lambda: torch.ops.rlengine.cascade_decode(q, k, v, *tables, last, D**-0.5, po, pl, out)  # noqa: E731
+    else:
+        from rlengine.kernels import cascade_decode as casc
+        from rlengine.kernels import paged_decode as pd
+        pages = max(b - a for a, b in zip(indptr, indptr[1:]))
+        ws = pd.alloc_workspace(B, H, D, pd.MAX_SPLITS, device)
+        plain = lambda: pd.paged_decode(q, k, v, ptr_t, idx_t, last, sm_scale=D**-0.5,  # noqa: E731
+                                        max_num_pages=pages, out=out, workspace=ws)
+        if plan is not None:
+            cws = casc.alloc_cascade_workspace(B, H, D, device)
+            own = int(np.diff(plan.suffix_indptr).max())
+            cascade = lambda: casc.cascade_decode(q, k, v, *tables, last, sm_scale=D**-0.5,  # noqa: E731
+                                                  max_rows=plan.max_rows, max_suffix_pages=own, workspace=cws,
+                                                  out=out)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return _median_ms(plain, iters, sync), _median_ms(plain if plan is None else cascade, iters, sync)
 
 
-def _median_ms(fn, iters: int) -> float:
+def _median_ms(fn, iters: int, sync) -> float:
     fn()
+    sync()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
 
 
-def measure(case: dict, rounds: int, iters: int, dtype: str = "float32") -> dict:
-    engines = {mode: _engine(case, mode, dtype) for mode in (False, True)}
+def measure(case: dict, rounds: int, iters: int, dtype: str = "float32", backend: str = "cpp",
+            device: str = "cpu") -> dict:
+    engines = {mode: _engine(case, mode, dtype, backend, device) for mode in (False, True)}
     for mode, llm in engines.items():
         _round(llm, case)  # warm-up: kernel choices, first-touch of the KV pool
     steps = {False: [], True: []}
@@ -115,7 +132,7 @@ def measure(case: dict, rounds: int, iters: int, dtype: str = "float32") -> dict
         for mode, llm in engines.items():
             steps[mode] += _round(llm, case)
     plain, cascade = (1e3 * statistics.median(steps[m]) for m in (False, True))
-    attn_plain, attn_cascade = _attention_ms(engines[True], case, iters, dtype)
+    attn_plain, attn_cascade = _attention_ms(engines[True], case, iters, dtype, backend, device)
     return dict(case=case["case"], model=case["model"], G=case["G"], B_act=case["G"] * len(case["prompts"]),
                 prompt=max(map(len, case["prompts"])), response=case["response"], plain_ms=round(plain, 3),
                 cascade_ms=round(cascade, 3), speedup=round(plain / cascade, 3), attn_plain_ms=round(attn_plain, 3),
@@ -131,13 +148,21 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed calls of the attention op alone")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights, activations and KV cache (default: %(default)s)")
+    parser.add_argument("--backend", default="cpp", choices=["cpp", "triton"],
+                        help="attention backend; triton runs on CUDA when there is a GPU (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt of the grpo and "
+                        "no-sharing cases (default: %(default)s)")
+    parser.add_argument("--response-len", type=int, default=64, help="tokens per response (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default=None, help="directory for shared_prefix.json (default bench/results)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    wanted = args.cases.split(",")
-    rows = [measure(c, args.rounds, args.iters, args.dtype) for c in _cases(args.model) if c["case"] in wanted]
+    device = "cuda" if args.backend == "triton" and torch.cuda.is_available() else "cpu"
+    kinds = {w.split("-")[0] for w in args.cases.split(",")}  # grpo-512 names the grpo case at any --prompt-len
+    rows = [measure(c, args.rounds, args.iters, args.dtype, args.backend, device)
+            for c in _cases(args.model, args.prompt_len, args.response_len) if c["case"].split("-")[0] in kinds]
     report("shared_prefix", rows, out=args.out, columns=COLUMNS,
-           extra={"threads": torch.get_num_threads(), "rounds": args.rounds, "page_size": P, "dtype": args.dtype},
-           device="cpu")
+           extra={"threads": torch.get_num_threads(), "rounds": args.rounds, "page_size": P, "dtype": args.dtype,
+                  "backend": args.backend},
+           device=device)
