@@ -230,6 +230,20 @@ inline void tile_softmax(PrefixState& s, int64_t T, int64_t R, int64_t D) {
   std::copy(mx, mx + Rpad, s.m.begin());
 }
 
+// Pass 1's result for the R query rows of (chunk starting at batch row row0, KV head hkv): each row's
+// normalised output and natural-log LSE from its unnormalised state (acc [R, D], running max m, sum l).
+inline void write_prefix_rows(const CascadeDims& d, int64_t row0, int64_t hkv, int64_t R, const float* acc,
+                              const float* m, const float* l, float* prefix_out, float* prefix_lse) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t b = row0 + r / d.G, h = hkv * d.G + r % d.G;
+    const float inv = 1.f / l[r];
+    const float* a = acc + r * d.D;
+    float* o = prefix_out + (b * d.H + h) * d.D;
+    for (int64_t j = 0; j < d.D; ++j) o[j] = a[j] * inv;
+    prefix_lse[b * d.H + h] = m[r] + std::log(l[r]);
+  }
+}
+
 // Pass 1 for chunk c, KV head hkv: every query row of the chunk against the shared pages.
 // Requires D % kLanes == 0 (prefix_pass_rows covers the rest).
 template <typename scalar_t>
@@ -265,14 +279,7 @@ void prefix_pass_tiles(const CascadeDims& d, int64_t c, int64_t hkv, const scala
     for (; r + kPvRows <= R; r += kPvRows) tile_pv_rows<kPvRows>(s.st.data() + r, Rpad, s.vrows.data(), T, s.acc.data() + r * D, D);
     for (; r < R; ++r) tile_pv_rows<1>(s.st.data() + r, Rpad, s.vrows.data(), T, s.acc.data() + r * D, D);
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t b = row0 + r / G, h = hkv * G + r % G;
-    const float inv = 1.f / s.l[r];
-    const float* a = s.acc.data() + r * D;
-    float* o = prefix_out + (b * d.H + h) * D;
-    for (int64_t j = 0; j < D; ++j) o[j] = a[j] * inv;
-    prefix_lse[b * d.H + h] = s.m[r] + std::log(s.l[r]);
-  }
+  write_prefix_rows(d, row0, hkv, R, s.acc.data(), s.m.data(), s.l.data(), prefix_out, prefix_lse);
 }
 
 // Pass 1 one row at a time through attend_pages: head dims that are not a multiple of kLanes.
@@ -291,14 +298,7 @@ void prefix_pass_rows(const CascadeDims& d, int64_t c, int64_t hkv, const scalar
   }
   s.reset(R, D);
   attend_pages(k_cache, v_cache, prefix_indices + first, n_pages, d.P, hkv, d.Hkv, D, d.P, R, s);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t b = row0 + r / G, h = hkv * G + r % G;
-    const float inv = 1.f / s.l[r];
-    const float* a = s.acc.data() + r * D;
-    float* o = prefix_out + (b * d.H + h) * D;
-    for (int64_t j = 0; j < D; ++j) o[j] = a[j] * inv;
-    prefix_lse[b * d.H + h] = s.m[r] + std::log(s.l[r]);
-  }
+  write_prefix_rows(d, row0, hkv, R, s.acc.data(), s.m.data(), s.l.data(), prefix_out, prefix_lse);
 }
 
 // Pass 2 for sequence b, KV head hkv: its own pages, then the merge with its prefix part.
