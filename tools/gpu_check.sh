@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU validation in two steps, one device call each, each sized to finish in <= 300 s on one H200 with
-# its build (a GPU machine comes for ~15 minutes in all, start-up included, so a failed call leaves time
-# for a rerun):
+# GPU validation in two steps. A GPU machine comes for ~15 minutes in all (start-up ~35 s included), so
+# both steps run in ONE device call, test first: the bench then reuses the test step's build. Measured on
+# the first H200 run: build 113 s (16 cores), test shards 45-63 s side by side, bench parts 9-41 s each.
+# The limits below keep test + bench <= 540 s, leaving ~5 minutes for a rerun of what failed; a bench on
+# a fresh machine (its own build) stays <= 420 s.
 #   tools/gpu_check.sh test  [COMMIT]   build (a failed build stops the step) + every gpu-marked test,
 #                                       bf16 included, in 4 parallel pytest shards
 #   tools/gpu_check.sh bench [COMMIT]   the build if the machine has none, then ceilings, decode sweep
@@ -12,7 +14,7 @@
 # $OUT/gpu_check_<step>.json holds the conditions (commit, GPU, driver, torch/triton), each part's exit
 # status and seconds, one summary line per goal and the goals' values: two files per step ($OUT defaults
 # to bench/results/gpu). The summary lines are the last lines printed, so they survive a truncated log.
-# Each part has its own timeout (the limits below sum to <= 300 s per step); a part that fails or times
+# Each part has its own timeout (the sums above); a part that fails or times
 # out costs its own result only, except the build, which stops the step.
 # GPU_CHECK_DRY=1 runs the packing and the summary on a CPU with stand-in results (tests/tools);
 # GPU_CHECK_DRY=build-fails also makes the build fail.
@@ -54,7 +56,7 @@ build() {
   command -v ninja >/dev/null || echo "[gpu_check] WARNING: no ninja: the extensions compile one file at a time"
   # --no-deps: the device machine reaches no package index; its image holds torch, triton, transformers,
   # safetensors, tokenizers, rich, nvidia-ml-py and pytest. RLENGINE_REQUIRE_EXT=1 makes a failed build fatal.
-  python3 -m pip install --no-build-isolation --no-deps -q -e . && python3 -c "import rlengine._ext as e; \
+  python3 -m pip install --no-build-isolation --no-deps -v -e . && python3 -c "import rlengine._ext as e; \
 print('\n'.join(e.status_lines())); assert e.AVAILABLE and e.CUDA_AVAILABLE, 'both extensions must load'"
 }
 
@@ -79,13 +81,13 @@ shard() {  # shard NAME PYTEST-ARGS...
 run_test_step() {
   [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
     --format=csv | tee "$WORK/gpu.txt"
-  build_or_stop 120
+  build_or_stop 180
   [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin test "$WORK"
   # Four shards in parallel: Triton compiles are single-threaded per process and dominate the wall time.
-  part paged_decode 150 shard paged_decode tests/gpu/test_triton_kernels_gpu.py -k paged_decode & local p1=$!
-  part kernels 150 shard kernels tests/gpu/test_triton_kernels_gpu.py -k "not paged_decode" & local p2=$!
-  part engine 150 shard engine tests/gpu/test_model_and_engine_gpu.py & local p3=$!
-  part others 150 shard others tests/gpu --ignore=tests/gpu/test_model_and_engine_gpu.py \
+  part paged_decode 100 shard paged_decode tests/gpu/test_triton_kernels_gpu.py -k paged_decode & local p1=$!
+  part kernels 100 shard kernels tests/gpu/test_triton_kernels_gpu.py -k "not paged_decode" & local p2=$!
+  part engine 100 shard engine tests/gpu/test_model_and_engine_gpu.py & local p3=$!
+  part others 100 shard others tests/gpu --ignore=tests/gpu/test_model_and_engine_gpu.py \
     --ignore=tests/gpu/test_triton_kernels_gpu.py & local p4=$!
   local pid
   for pid in $p1 $p2 $p3 $p4; do wait "$pid" || STATUS=1; done
@@ -100,18 +102,18 @@ bench() {  # bench NAME CMD...: a real bench, or its stand-in result in a dry ru
 run_bench_step() {
   [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
     --format=csv | tee "$WORK/gpu.txt"
-  has_build || build_or_stop 90  # a fresh machine: the test step's build is gone
+  has_build || build_or_stop 180  # a fresh machine: the test step's build is gone
   [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin bench "$WORK"
-  part ceilings 25 bench ceilings python3 -m rlengine.cli bench ceilings --device cuda --out "$WORK" || STATUS=1
+  part ceilings 15 bench ceilings python3 -m rlengine.cli bench ceilings --device cuda --out "$WORK" || STATUS=1
   local ceil=(); [ -f "$WORK/ceilings.json" ] && ceil=(--ceilings "$WORK/ceilings.json")
+  part shared_prefix 60 bench shared_prefix python3 bench/bench_shared_prefix.py --backend triton \
+    --model qwen3-0.6b --dtype bfloat16 --cases grpo-512 --rounds 2 --iters 20 --out "$WORK" || STATUS=1
   part decode 50 bench decode python3 -m rlengine.cli bench decode --model qwen3-0.6b --dtype bfloat16 \
     --batches 1,64 --no-hf --gen-len 32 --reps 3 "${ceil[@]}" --out "$WORK" --name decode || STATUS=1
-  part paged_decode 35 bench paged_decode python3 bench/bench_paged_decode.py --grid "B=1,8,64 ctx=4096,32768" \
+  part paged_decode 25 bench paged_decode python3 bench/bench_paged_decode.py --grid "B=1,8,64 ctx=4096,32768" \
     "${ceil[@]}" --out "$WORK" || STATUS=1
-  part moe 40 bench moe python3 bench/bench_moe.py --grid "T=4096,32768" "${ceil[@]}" --out "$WORK" || STATUS=1
-  part logprob 35 bench logprob python3 bench/bench_logprob.py "${ceil[@]}" --out "$WORK" || STATUS=1
-  part shared_prefix 25 bench shared_prefix python3 bench/bench_shared_prefix.py --backend triton \
-    --model qwen3-0.6b --dtype bfloat16 --cases grpo-512 --rounds 2 --iters 20 --out "$WORK" || STATUS=1
+  part moe 35 bench moe python3 bench/bench_moe.py --grid "T=4096,32768" "${ceil[@]}" --out "$WORK" || STATUS=1
+  part logprob 20 bench logprob python3 bench/bench_logprob.py "${ceil[@]}" --out "$WORK" || STATUS=1
 }
 
 export DRY WORK STEP

@@ -62,12 +62,24 @@ def event_times(fn: Callable[[], object], n: int, *, event=None, flush: Callable
     return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
+def _call_refusing_host_sync(fn: Callable[[], object]) -> None:
+    """fn() once with torch's sync check set to raise: a host sync fails here, before a capture starts. A capture
+    that fails midway leaves the process's CUDA generator marked as capturing (torch 2.11 on an H200: every later
+    torch.randn on the device raised "Offset increment outside graph capture")."""
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
 def _graph_times(fn: Callable[[], object], calls: int, reps: int) -> list[float]:
     """Per-call ms from `reps` replays of one CUDA graph holding `calls` calls of fn."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # warm-up on the capture stream: lazy init must not happen inside capture
+        _call_refusing_host_sync(fn)  # warm-up on the capture stream: lazy init must not happen inside capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -106,7 +106,7 @@ def test_a_prompt_alone_and_among_40_others_gets_the_same_tokens_and_logprobs(dt
 def test_every_sampled_logprob_equals_the_learners_recomputation(dtype):
     """The learner's training forward (grad on) runs the same Triton kernels through autograd Functions."""
     model = _model(dtype)
-    batch = rollout_batch(model)
+    batch = rollout_batch(model).to(DEVICE)
     logp, _ = token_logprobs(model, batch, 1.0, fused=False)
     assert logp.requires_grad
     valid = (batch.loss_mask > 0).to(logp.device)

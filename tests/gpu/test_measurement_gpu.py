@@ -69,7 +69,7 @@ def test_cuda_trainer_measures_the_learner_peak_under_the_estimate(tmp_path, cap
 
     tc = load_config("rlengine/configs/grpo.toml", [
         "--model.dtype", "bfloat16", "--warmstart.steps", "0", "--train.updates", "1", "--train.prompts_per_step", "8",
-        "--train.group_size", "4", "--task.num_eval", "4", "--run.progress", "false",
+        "--train.group_size", "4", "--task.num_eval", "4", "--run.progress", "false", "--gen.num_kv_blocks", "4096",
         "--run.out_dir", str(tmp_path / "run")])
     tr = Trainer(tc)
     plan = tr.memory_plan

@@ -16,7 +16,7 @@ from rlengine import LLM, SamplingParams
 from rlengine.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 
-from tests.support.engine_learner_logprobs import MAX_LOW, MEAN_LOW, learner_minus_engine, rollout_batch
+from tests.support.engine_learner_logprobs import learner_minus_engine, low_precision_bounds, rollout_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -127,8 +127,11 @@ def test_cuda_store_kvcache_past_int32_offsets():
 
 @pytest.mark.parametrize("name", ["qwen3-30m", "tiny-moe"])
 def test_bf16_cuda_graph_decode_equals_eager_at_bucket_batch(name):
-    """bf16, 4 sequences decoding together (bucket 4, no padding): the captured graph replays the
-    very kernels eager runs, so tokens and log-probs must be identical."""
+    """bf16, 4 sequences decoding together (bucket 4, no padding). The graph's paged-decode launch is
+    planned at capture from the bucket's capacity, eager steps from the longest context, so the two may
+    split the keys differently (on an H200, 17 splits against 1 here): the split merge changes the fp32
+    sum order and with it at most one bf16 rounding of each attention output. Tokens are identical;
+    log-probs agree within the same rounding bound as the learner's recomputation (low_precision_bounds)."""
     moe = name == "tiny-moe"
     model = Qwen3ForCausalLM(preset(name), device="cuda", dtype=torch.bfloat16, moe_impl="triton" if moe else "ref")
     gen = torch.Generator().manual_seed(1)
@@ -137,9 +140,11 @@ def test_bf16_cuda_graph_decode_equals_eager_at_bucket_batch(name):
     g = LLM(model, max_num_seqs=4, attention_backend="triton").generate(prompts, params)
     e = LLM(model, max_num_seqs=4, attention_backend="triton", enforce_eager=True).generate(prompts, params)
     assert all(r.b_act == 4 for r in g.trace if r.kind == "decode")
+    max_low, mean_low = low_precision_bounds(model.config.num_hidden_layers)
     for x, y in zip(g, e):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        assert x.outputs[0].token_logprobs == y.outputs[0].token_logprobs
+        d = (torch.tensor(x.outputs[0].token_logprobs) - torch.tensor(y.outputs[0].token_logprobs)).abs()
+        assert d.max() < max_low and d.mean() < mean_low, (d.max().item(), d.mean().item())
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -182,7 +187,8 @@ def test_bf16_engine_logprobs_match_the_learner():
     model = Qwen3ForCausalLM(preset("qwen3-30m"), seed=5, dtype=torch.bfloat16, device="cuda")
     batch = rollout_batch(model, G=4, prompts=8, max_tokens=16, backend="triton").to("cuda")
     d = learner_minus_engine(model, batch, fused=True)
-    assert d.max() < MAX_LOW and d.mean() < MEAN_LOW, (d.max().item(), d.mean().item())
+    max_low, mean_low = low_precision_bounds(model.config.num_hidden_layers)
+    assert d.max() < max_low and d.mean() < mean_low, (d.max().item(), d.mean().item())
 
 
 def test_gpu_memory_utilization_bounds_what_the_engine_holds():

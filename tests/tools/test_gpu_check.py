@@ -61,13 +61,16 @@ def test_a_failed_build_stops_the_step(tmp_path):
 
 
 def test_part_time_limits_fit_one_call_with_room_for_a_rerun():
-    """Each step's part limits, run one after another (the test shards run side by side), <= 300 s."""
+    """Part limits run one after another (the test shards side by side): test then bench in one call, the
+    bench reusing the build, <= 540 s (a 15-minute lease keeps ~5 minutes for a rerun); a bench on a fresh
+    machine, with its own build, <= 420 s."""
     import re
     src = (ROOT / "tools" / "gpu_check.sh").read_text()
     test_body = src[src.index("run_test_step() {"):src.index("bench() {")]
     bench_body = src[src.index("run_bench_step() {"):]
     shards = [int(x) for x in re.findall(r"part \w+ (\d+) shard", test_body)]
     test_total = int(re.search(r"build_or_stop (\d+)", test_body).group(1)) + max(shards)
-    bench_total = int(re.search(r"build_or_stop (\d+)", bench_body).group(1)) + sum(
-        int(x) for x in re.findall(r"part \w+ (\d+) bench", bench_body))
-    assert len(shards) == 4 and test_total <= 300 and bench_total <= 300, (test_total, bench_total)
+    bench_parts = sum(int(x) for x in re.findall(r"part \w+ (\d+) bench", bench_body))
+    bench_build = int(re.search(r"build_or_stop (\d+)", bench_body).group(1))
+    assert len(shards) == 4 and test_total + bench_parts <= 540 and bench_build + bench_parts <= 420, (
+        test_total, bench_parts, bench_build)
