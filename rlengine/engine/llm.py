@@ -41,8 +41,10 @@ On a CPU, cpu_kernels picks how the projections and the LM head run (model/kerne
 disk), "torch" / "skinny" (one rule), or a saved table's .json (pinned).
 batch_invariant=True (CPU; model/batch_invariant.py) runs one fixed-order kernel per op
 instead, so each token's log-prob equals the learner's recomputation bit for bit at any batch size.
-shared_prefix_decode (default on): decode steps attend a GRPO group's shared prompt pages once per
-group (cascade attention, engine/attention/cascade.py) on the cpp and triton backends.
+shared_prefix_decode: decode steps attend a GRPO group's shared prompt pages once per group (cascade
+attention, engine/attention/cascade.py) on the cpp and triton backends. None (the default) takes the
+backend's measured default: on for cpp (CPU), off for triton (slower than plain decode on an H200);
+True / False force it where the backend supports it.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class LLM:
                  cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, cpu_kernels: str = "cache", batch_invariant: bool = False,
-                 shared_prefix_decode: bool = True):
+                 shared_prefix_decode: bool | None = None):
         _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization)
         if gpu_memory_utilization is not None and (num_kv_blocks is not None or kv_cache_memory is not None
                                                    or kv_pool is not None):
@@ -133,6 +135,8 @@ class LLM:
         attention_backend = batch_invariant_backend(self.model, batch_invariant, attention_backend)
         backend_cls = resolve_backend(attention_backend, self.device)
         self.backend = backend_cls(self.kv_cache, cfg.num_attention_heads, cfg.head_dim, max_num_seqs)
+        if shared_prefix_decode is None:
+            shared_prefix_decode = self.backend.shared_prefix_by_default
         self.backend.shared_prefix = shared_prefix_decode and self.backend.supports_shared_prefix
         max_pages = -(-self.max_model_len // block_size)
         self.block_manager = BlockManager(0, block_size, max_seqs=max_num_seqs, max_pages_per_seq=max_pages,

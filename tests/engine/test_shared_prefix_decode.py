@@ -87,3 +87,16 @@ def test_off_switch_and_backends_without_it():
     params = SamplingParams(n=4, temperature=0.0, max_tokens=4, ignore_eos=True)
     llm, _ = _run(prompts, params, True, block_size=4, attention_backend="torch")
     assert not llm.backend.shared_prefix and llm.backend.num_cascade_steps == 0  # the oracle stays plain
+
+
+@pytest.mark.parametrize("backend,on", [("cpp", True), ("triton", False), ("torch", False)])
+def test_default_is_the_backends_measured_choice(backend, on):
+    """shared_prefix_decode=None: on where cascade decode was measured faster (cpp), off for triton (slower on
+    an H200) and for the oracle; True still forces it on triton."""
+    prompts = _prompts([20], seed=3)
+    params = SamplingParams(n=4, temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm, _ = _run(prompts, params, None, block_size=4, attention_backend=backend)
+    assert llm.backend.shared_prefix is on and (llm.backend.num_cascade_steps > 0) is on
+    if backend == "triton":
+        forced, _ = _run(prompts, params, True, block_size=4, attention_backend=backend)
+        assert forced.backend.num_cascade_steps > 0

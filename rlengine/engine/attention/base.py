@@ -50,6 +50,7 @@ class AttentionBackend:
     name = "base"
     graph_safe = False
     supports_shared_prefix = False
+    shared_prefix_by_default = False  # LLM(shared_prefix_decode=None): on only where measured faster than plain
     cascade_max_rows = 64  # most batch rows one prefix work item scores together
 
     def __init__(self, kv_cache: KVCache, num_heads: int, head_dim: int, max_num_seqs: int):

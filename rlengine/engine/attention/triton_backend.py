@@ -21,6 +21,9 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
     supports_shared_prefix = True
+    # off unless asked: on an H200 (docs/RESULTS.md) the cascade op took 3.6x the plain kernel's time at the
+    # 512-token GRPO shape (Qwen3-0.6B, bf16): its prefix pass runs one program per (group, KV head)
+    shared_prefix_by_default = False
 
     @staticmethod
     def unavailable_reason(device: torch.device) -> str | None:

@@ -43,8 +43,8 @@ FIELD_DOCS: dict[str, str] = {
                            "CPU, dense models",
     "gen.cpu_kernels": "CPU projection kernels: cache (timed once per machine, ~/.cache/rlengine) | measure | torch | "
                        "skinny | a saved table's .json (pinned)",
-    "gen.shared_prefix_decode": "decode reads a group's shared prompt pages once for its G samples (cascade "
-                                "attention; cpp / triton); false = plain decode",
+    "gen.shared_prefix_decode": "read a group's shared prompt pages once per decode step (cascade attention): "
+                                "auto (cpp on, triton off) | true | false",
     # [train]
     "train.algo": "grpo | ppo",
     "train.group_size": "G, responses per prompt; 0 = 8 for GRPO, 1 for PPO",

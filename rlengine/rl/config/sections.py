@@ -95,8 +95,9 @@ class GenSection:
     # one fixed-order kernel per op on the engine and the learner: sampled log-probs equal the
     # learner's recomputation bit for bit (CPU; model/batch_invariant.py)
     batch_invariant: bool = False
-    # decode a GRPO group's shared prompt pages once per group (cascade attention; cpp / triton backends)
-    shared_prefix_decode: bool = True
+    # decode a GRPO group's shared prompt pages once per group (cascade attention; cpp / triton backends):
+    # auto = the backend's measured default (on for cpp, off for triton) | true | false
+    shared_prefix_decode: bool | str = "auto"
 
     def __post_init__(self):
         _check(self.b_gen >= 0, f"gen.b_gen must be >= 0, got {self.b_gen}")
@@ -109,6 +110,8 @@ class GenSection:
         _check(self.cpu_kernels in ("measure", "cache", "torch", "skinny") or self.cpu_kernels.endswith(".json"),
                f"gen.cpu_kernels must be measure|cache|torch|skinny or a saved table's .json path, "
                f"got {self.cpu_kernels!r}")
+        _check(isinstance(self.shared_prefix_decode, bool) or self.shared_prefix_decode == "auto",
+               f"gen.shared_prefix_decode must be auto, true or false, got {self.shared_prefix_decode!r}")
 
     @property
     def filtered(self) -> bool:
