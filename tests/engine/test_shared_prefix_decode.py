@@ -92,11 +92,35 @@ def test_off_switch_and_backends_without_it():
 @pytest.mark.parametrize("backend,on", [("cpp", True), ("triton", False), ("torch", False)])
 def test_default_is_the_backends_measured_choice(backend, on):
     """shared_prefix_decode=None: on where cascade decode was measured faster (cpp), off for triton (slower on
-    an H200) and for the oracle; True still forces it on triton."""
-    prompts = _prompts([20], seed=3)
+    an H200) and for the oracle; True still forces it on triton. 40-token prompts in 4-token pages: 10 shared
+    pages against 1-2 own ones, so the plan saves well over AUTO_SHARED_FRACTION of the reads."""
+    prompts = _prompts([40], seed=3)
     params = SamplingParams(n=4, temperature=0.0, max_tokens=4, ignore_eos=True)
     llm, _ = _run(prompts, params, None, block_size=4, attention_backend=backend)
     assert llm.backend.shared_prefix is on and (llm.backend.num_cascade_steps > 0) is on
     if backend == "triton":
         forced, _ = _run(prompts, params, True, block_size=4, attention_backend=backend)
         assert forced.backend.num_cascade_steps > 0
+
+
+def test_auto_runs_plain_decode_where_little_is_shared():
+    """The long-response job's shape: one shared page of a ~4-page context saves ~20% of the reads, under
+    AUTO_SHARED_FRACTION, so the default runs plain decode (and skips the planner while the rows stay the
+    same); True still runs cascade there, and both give the same tokens."""
+    prompts = _prompts([17, 18], seed=4)
+    params = SamplingParams(n=8, temperature=0.0, max_tokens=30, ignore_eos=True)
+    auto, outs = _run(prompts, params, None, block_size=16, max_num_seqs=16)
+    forced, refs = _run(prompts, params, True, block_size=16, max_num_seqs=16)
+    assert auto.backend.shared_prefix and auto.backend.num_cascade_steps == 0
+    assert forced.backend.num_cascade_steps > 0
+    _assert_same(outs, refs)
+
+
+def test_auto_takes_cascade_when_the_batch_changes_to_one_worth_it():
+    """A batch found not worth it is remembered by its rows; a new batch (long shared prompts) is planned again."""
+    params = SamplingParams(n=4, temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = LLM("tiny", dtype="float32", block_size=4)
+    llm.generate(_prompts([3], seed=1), params)  # no whole shared page: plain
+    assert llm.backend.num_cascade_steps == 0
+    llm.generate(_prompts([40], seed=2), params)
+    assert llm.backend.num_cascade_steps > 0

@@ -11,7 +11,9 @@ Three engine shapes, each generated with LLM(shared_prefix_decode=False) ("plain
 A step's time is the engine's own StepRecord (schedule to read), median over the decode steps at the
 full B_act of every round; `attn_ms` is the attention op alone at that shape (the same page tables
 through paged_decode and cascade_decode, median over --iters calls), which says how much of the
-step attention is. Speedup = plain / cascade.
+step attention is. Speedup = plain / cascade. A third engine runs the default (shared_prefix_decode=None:
+cascade only on steps whose plan saves at least AUTO_SHARED_FRACTION of the page reads): auto_ms and
+auto_speedup = plain / auto, auto_cascade_steps the steps it ran as cascade.
 
     python bench/bench_shared_prefix.py [--model qwen3-30m] [--dtype bfloat16] [--rounds 3] [--threads N] [--out DIR]
 """
@@ -31,7 +33,8 @@ from rlengine.engine.attention.cascade import plan_cascade
 
 P = 16
 COLUMNS = ["case", "model", "G", "B_act", "prompt", "response", "plain_ms", "cascade_ms", "speedup",
-           "attn_plain_ms", "attn_cascade_ms", "attn_speedup", "cascade_steps"]
+           "attn_plain_ms", "attn_cascade_ms", "attn_speedup", "cascade_steps", "auto_ms", "auto_speedup",
+           "auto_cascade_steps"]
 
 
 def _cases(model: str, prompt_len: int = 512, response: int = 64) -> list[dict]:
@@ -47,7 +50,7 @@ def _cases(model: str, prompt_len: int = 512, response: int = 64) -> list[dict]:
             dict(case="no-sharing", model=model, G=1, prompts=long(prompt_len, 64), response=response)]
 
 
-def _engine(case: dict, shared: bool, dtype: str, backend: str, device: str) -> LLM:
+def _engine(case: dict, shared: bool | None, dtype: str, backend: str, device: str) -> LLM:
     B = case["G"] * len(case["prompts"])
     longest = max(map(len, case["prompts"])) + case["response"] + 1
     # eager steps on both sides: CUDA-graph replays run plain decode (README, shared-prefix decode)
@@ -124,20 +127,22 @@ def _median_ms(fn, iters: int, sync) -> float:
 
 def measure(case: dict, rounds: int, iters: int, dtype: str = "float32", backend: str = "cpp",
             device: str = "cpu") -> dict:
-    engines = {mode: _engine(case, mode, dtype, backend, device) for mode in (False, True)}
+    modes = (False, True, None)  # plain, cascade wherever a page is shared, the default (auto)
+    engines = {mode: _engine(case, mode, dtype, backend, device) for mode in modes}
     for mode, llm in engines.items():
         _round(llm, case)  # warm-up: kernel choices, first-touch of the KV pool
-    steps = {False: [], True: []}
+    steps = {m: [] for m in modes}
     for _ in range(rounds):
         for mode, llm in engines.items():
             steps[mode] += _round(llm, case)
-    plain, cascade = (1e3 * statistics.median(steps[m]) for m in (False, True))
+    plain, cascade, auto = (1e3 * statistics.median(steps[m]) for m in modes)
     attn_plain, attn_cascade = _attention_ms(engines[True], case, iters, dtype, backend, device)
     return dict(case=case["case"], model=case["model"], G=case["G"], B_act=case["G"] * len(case["prompts"]),
                 prompt=max(map(len, case["prompts"])), response=case["response"], plain_ms=round(plain, 3),
                 cascade_ms=round(cascade, 3), speedup=round(plain / cascade, 3), attn_plain_ms=round(attn_plain, 3),
                 attn_cascade_ms=round(attn_cascade, 3), attn_speedup=round(attn_plain / attn_cascade, 3),
-                cascade_steps=engines[True].backend.num_cascade_steps)
+                cascade_steps=engines[True].backend.num_cascade_steps, auto_ms=round(auto, 3),
+                auto_speedup=round(plain / auto, 3), auto_cascade_steps=engines[None].backend.num_cascade_steps)
 
 
 def main(argv=None) -> None:

@@ -15,6 +15,10 @@ Shared-prefix decode: a backend that sets `supports_shared_prefix` runs a decode
 holds forked siblings (a GRPO group) as cascade attention, when the engine turns `shared_prefix`
 on; plan() then finds the shared pages (attention/cascade.py) from the step's host page tables.
 A graph bucket's batch (static) always runs plain decode: the cascade launch depends on the step.
+With `min_shared_fraction` > 0 (the engine's default setting) a step runs cascade only where the plan
+saves at least that fraction of its page reads; a batch whose rows are the same as at the last step
+found not worth it skips the planner (the rows' shared pages are fixed at the fork and their own pages
+only grow, so the fraction only falls until the batch changes).
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class AttentionBackend:
         self.batch: ForwardBatch | None = None
         self._prefill: PackedCausal | None = None  # set for prefill steps, None for decode steps
         self.shared_prefix = False  # the engine sets it (LLM(shared_prefix_decode=...)) where supported
+        self.min_shared_fraction = 0.0  # cascade only where the plan saves at least this fraction of page reads
+        self._rows_not_worth: np.ndarray | None = None  # first page per row of the last batch found not worth it
         self.num_cascade_steps = 0  # decode steps that ran as cascade attention
 
     def plan(self, batch: ForwardBatch) -> None:
@@ -75,8 +81,15 @@ class AttentionBackend:
         # page counts from the host context lengths (the same rule step_inputs lays the tables out by)
         indptr = np.zeros(batch.batch_size + 1, np.int64)
         np.cumsum(-(-batch.context_lens // self.kv.block_size), out=indptr[1:])
+        first_pages = batch.kv_indices_host[indptr[:-1]]
+        if self._rows_not_worth is not None and np.array_equal(first_pages, self._rows_not_worth):
+            return None
         plan = plan_cascade(indptr, batch.kv_indices_host[:indptr[-1]], self.cascade_max_rows)
-        self.num_cascade_steps += plan is not None
+        if plan is None or plan.shared_pages < self.min_shared_fraction * indptr[-1]:
+            self._rows_not_worth = first_pages.copy() if self.min_shared_fraction > 0 else None
+            return None
+        self._rows_not_worth = None
+        self.num_cascade_steps += 1
         return plan
 
     def attend(self, layer_id: int, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> torch.Tensor:
