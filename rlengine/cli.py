@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--first-seed", type=int, default=0, help="S: the first run.seed")
     p.add_argument("--n-max", type=int, default=0, help="response budget per curve (default: the job's)")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every this many responses "
-                   "(default: the largest candidate B_train)")
+                   "(default: ~N_max / 100, a multiple of the largest candidate B_train)")
     p.add_argument("--full-curves", action="store_true", help="run every curve to N_max, not only to J*")
     p.add_argument("--fixed-lr", action="store_true", help="add the fixed-LR control at the largest B_train")
     p.add_argument("--delta", type=float, default=0.1, help="q plateau: within delta of the best q")

@@ -22,6 +22,11 @@ from rlengine.tune.runner import run_plans
 from rlengine.tune.types import RunCurve, RunPlan, Stage1Result, TuneSpec
 
 Runner = Callable[[RunPlan], "RunCurve | None"]
+# default N grid: about this many evaluations over N_max, at a multiple of the largest candidate B_train (so
+# every candidate evaluates on update boundaries). N* comes from an isotonic fit between grid points, so a
+# coarser grid moves it by at most half a step, while every evaluation costs a run as much as many updates
+# (the long-response job: 128 prompts x 4 samples against 128 training responses per 4 updates).
+EVALS_PER_BUDGET = 100
 
 
 def reference(spec: TuneSpec) -> tuple[int, float]:
@@ -31,10 +36,12 @@ def reference(spec: TuneSpec) -> tuple[int, float]:
 
 
 def budgets(spec: TuneSpec) -> tuple[int, int]:
-    """(N_max, eval.every_responses) of every curve."""
+    """(N_max, eval.every_responses) of every curve: the spec's eval_every, else about EVALS_PER_BUDGET
+    evaluations over N_max, at least one per largest candidate B_train."""
     train = spec.job["train"]
     n_max = spec.n_max or int(train["updates"]) * int(train["b_train"])
-    return n_max, spec.eval_every or max(spec.b_train)
+    b = max(spec.b_train)
+    return n_max, spec.eval_every or b * max(1, -(-n_max // (EVALS_PER_BUDGET * b)))
 
 
 def candidate_batches(spec: TuneSpec) -> list[int]:

@@ -25,7 +25,7 @@ class TuneSpec:
     eta0: float = 0.0                    # LR at b0; 0 = the job's train.lr
     seeds: tuple[int, ...] = (0, 1, 2)   # run.seed of each replicate
     n_max: int = 0                       # response budget of every curve; 0 = the job's updates * B_train
-    eval_every: int = 0                  # eval.every_responses; 0 = the largest candidate B_train
+    eval_every: int = 0                  # eval.every_responses; 0 = ~N_max / 100 (stage1.budgets)
     stop_at_target: bool = True          # end a run at its first evaluation with J >= J* (N* is unchanged)
     fixed_lr: bool = False               # add the fixed-LR control (eta0, no rule) at the largest B_train
     b_gen: tuple[int, ...] = ()          # stage-2 B_gen ladder multiples of B_train; () = auto (1, 2, 4, 8)

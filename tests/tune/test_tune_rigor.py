@@ -308,3 +308,17 @@ def test_confirmation_order_per_seed_and_sign_test():
                         faster=tuple(order), sign_p=sign_test_p(2, 4))
     text = confirm_markdown(SimpleNamespace(confirmation=conf, chosen="32 gen 128"))
     assert "faster on 2 of 4 seeds (3, 5); two-sided sign test p = 1.000" in text
+
+
+@pytest.mark.parametrize("updates,b_train,cands,given,every", [
+    (900, 32, (16, 32, 64, 128), 0, 384),     # the long-response job: N_max 28,800 -> 288 -> up to a multiple of 128
+    (60, 32, (16, 32, 64, 128), 0, 128),      # N_max 1,920: one evaluation per largest B_train at least
+    (100, 128, (64, 128, 256, 512), 0, 512),  # N_max 12,800 exactly 100 x 128, rounded up to 512
+    (900, 32, (16, 32, 64, 128), 256, 256),   # --eval-every wins
+])
+def test_default_eval_grid_is_about_a_hundred_evaluations(updates, b_train, cands, given, every):
+    from rlengine.tune.stage1 import budgets
+
+    spec = TuneSpec(job={"train": {"updates": updates, "b_train": b_train}}, target_j=0.6, b_train=cands,
+                    eval_every=given)
+    assert budgets(spec) == (updates * b_train, every)
