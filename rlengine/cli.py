@@ -251,8 +251,16 @@ def _tune_predict(job: dict, args) -> int:
 
     dtype = job["model"]["dtype"] if args.predict == "cpu" or args.predict.endswith(".json") else "bfloat16"
     context = args.predict_context or job["gen"]["max_tokens"]
+    costs = None
+    if args.predict == "cpu":  # the engine's and learner's own costs on this CPU, at the tune's thread count
+        import torch
+
+        from rlengine.tune.step_costs import measure_step_costs
+
+        torch.set_num_threads(args.threads)
+        costs = measure_step_costs(job)
     p = predict_knee(job_model_config(job), device_ceilings(args.predict), context_len=context, dtype=dtype,
-                     delta=args.delta, b_max=args.predict_b_max)
+                     delta=args.delta, b_max=args.predict_b_max, costs=costs)
     print(format_prediction(p, job["train"]["b_train"]))
     if args.out and args.out != "runs/tune":
         import dataclasses
@@ -403,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "on >= 2 x --threads cores, else 1; a GPU job runs one at a time)")
     p.add_argument("--no-retune", action="store_true", help="no LR bracket for candidates with r_N > 1 + eps")
     p.add_argument("--predict", default=None, metavar="DEVICE", help="print the Eq. 5 B_gen knee of the job on "
-                   "DEVICE (H100, H200, cpu: measured now, or a `rlengine bench ceilings` JSON) and exit")
+                   "DEVICE (H100, H200, cpu: measured now, with this machine's decode-step and learner costs, or a "
+                   "`rlengine bench ceilings` JSON) and exit")
     p.add_argument("--predict-context", type=int, default=0, help="--predict: context length S (default: "
                    "gen.max_tokens)")
     p.add_argument("--predict-b-max", type=int, default=4096, help="--predict: largest B considered (B_KV)")

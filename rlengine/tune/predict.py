@@ -9,11 +9,15 @@ The predicted critical B is the paper's rule applied to that curve: the smallest
 too. B_act is taken as B_gen (every in-flight sequence decodes each step), which holds while
 responses have similar lengths. Named devices use datasheet peaks (dense bf16), so their knee is
 an upper estimate of what a real engine sustains; `cpu` and a JSON file use measured ceilings
-(`rlengine bench ceilings`).
+(`rlengine bench ceilings`). With measured step costs (tune/step_costs.py: the engine's fixed and
+per-sequence decode cost d0 + d1 B as a floor under Eq. 5's t_dec, and the learner's time per response)
+the knee is also given for end-to-end q, the quantity stage 2 measures:
+q(B) = 1 / (L x max(d0 + d1 B, t_dec(B)) / B + t_train).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +46,9 @@ class KneePrediction:
     q_tok_max: float              # q_tok at b_max, tokens/s
     b_max: int
     delta: float
+    costs: dict | None = None     # StepCosts as a dict, when measured
+    critical_b_q: int = 0         # with costs: smallest B with q >= (1 - delta) q(b_max)
+    q_max: float = 0.0            # with costs: q(b_max), responses/s
 
 
 def device_ceilings(device: str) -> dict:
@@ -71,9 +78,22 @@ def device_ceilings(device: str) -> dict:
     return d
 
 
+def _smallest_b(rate, bar: float, b_max: int) -> int:
+    """Smallest B in [1, b_max] with rate(B) >= bar, for a rate nondecreasing in B (bisection)."""
+    lo, hi = 1, b_max
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if rate(mid) >= bar:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def predict_knee(cfg: ModelConfig, ceilings: dict, *, context_len: int, dtype: str = "bfloat16",
-                 delta: float = 0.1, b_max: int = 4096) -> KneePrediction:
-    """Eq. 5's critical B for a model on a device (see the module docstring)."""
+                 delta: float = 0.1, b_max: int = 4096, costs=None) -> KneePrediction:
+    """Eq. 5's critical B for a model on a device (see the module docstring); with `costs` (a StepCosts)
+    also the critical B of end-to-end q."""
     if not 0 < delta < 1 or b_max < 1 or context_len < 1:
         raise ValueError(f"predict_knee needs 0 < delta < 1, b_max >= 1, context_len >= 1; got {delta}, {b_max}, "
                          f"{context_len}")
@@ -88,14 +108,16 @@ def predict_knee(cfg: ModelConfig, ceilings: dict, *, context_len: int, dtype: s
                                weight_bytes=nbytes, kv_bytes=nbytes)
 
     one, two, top = step(1), step(2), step(b_max)
-    bar = (1 - delta) * top.tokens_per_s
-    lo, hi = 1, b_max  # q_tok is nondecreasing in B: bisect for the smallest B reaching the bar
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if step(mid).tokens_per_s >= bar:
-            hi = mid
-        else:
-            lo = mid + 1
+    lo = _smallest_b(lambda b: step(b).tokens_per_s, (1 - delta) * top.tokens_per_s, b_max)
+    extra = {}
+    if costs is not None:
+        def q(b):  # responses/s: L decode steps of B sequences, then t_train per response
+            t_dec = max(costs.d0 + costs.d1 * b, step(b).t_dec)
+            return 1.0 / (costs.response_len * t_dec / b + costs.train_per_response)
+
+        q_top = q(b_max)
+        extra = dict(costs=dataclasses.asdict(costs), critical_b_q=_smallest_b(q, (1 - delta) * q_top, b_max),
+                     q_max=q_top)
     row = two.weight_bytes - one.weight_bytes      # weight bytes that grow with B (embedding rows looked up)
     per_seq = one.seq_bytes + row
     slope = one.flops_per_token / flops - per_seq / w  # t_cmp - t_mem grows by this per sequence
@@ -103,7 +125,7 @@ def predict_knee(cfg: ModelConfig, ceilings: dict, *, context_len: int, dtype: s
     return KneePrediction(device=str(ceilings.get("device", "?")), bandwidth=w, flops=flops, context_len=context_len,
                           weight_bytes=one.weight_bytes, seq_bytes=one.seq_bytes,
                           flops_per_token=one.flops_per_token, ridge_b=ridge, critical_b=lo,
-                          q_tok_max=top.tokens_per_s, b_max=b_max, delta=delta)
+                          q_tok_max=top.tokens_per_s, b_max=b_max, delta=delta, **extra)
 
 
 def job_model_config(job: dict) -> ModelConfig:
@@ -126,4 +148,14 @@ def format_prediction(p: KneePrediction, b_train: int) -> str:
             f"B_train {b_train} -> {p.critical_b / b_train:.2g} x B_train\n"
             f"  W = {p.bandwidth / 1e9:.1f} GB/s, F = {p.flops / 1e12:.3f} TFLOP/s, S = {p.context_len}, "
             f"M_W = {p.weight_bytes / 1e6:.2f} MB, m_u = {p.seq_bytes / 1e3:.1f} kB, "
-            f"f_tok = {p.flops_per_token / 1e6:.2f} MFLOP")
+            f"f_tok = {p.flops_per_token / 1e6:.2f} MFLOP" + (_format_costs(p, b_train) if p.costs else ""))
+
+
+def _format_costs(p: KneePrediction, b_train: int) -> str:
+    c = p.costs
+    return (f"\nwith this machine's measured step costs: critical B_gen {p.critical_b_q} for end-to-end q "
+            f"(q >= (1 - {p.delta}) q({p.b_max}) = {(1 - p.delta) * p.q_max:.4g} responses/s); "
+            f"{p.critical_b_q / b_train:.2g} x B_train\n"
+            f"  decode step d0 + d1 B: d0 = {c['d0'] * 1e3:.3f} ms, d1 = {c['d1'] * 1e6:.2f} us/seq "
+            f"(steps {c['step_s'][0] * 1e3:.3f} / {c['step_s'][1] * 1e3:.3f} ms at B {c['batches'][0]} / "
+            f"{c['batches'][1]}); learner {c['train_per_response'] * 1e3:.3f} ms/response; L = {c['response_len']}")

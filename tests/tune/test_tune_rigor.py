@@ -219,6 +219,41 @@ def test_predict_knee_by_hand():
     assert p.q_tok_max == pytest.approx(q_max)
 
 
+def test_predict_knee_with_measured_step_costs_by_hand():
+    """With step costs, q(B) = 1 / (L (d0 / B + d1) + t_train) where the engine's d0 + d1 B exceeds Eq. 5's
+    t_dec (ceilings so high the roofline never binds): q >= 0.9 q(4096) <=> B >= L d0 / (1 / bar - L d1 - t_train)."""
+    from rlengine.tune.step_costs import StepCosts
+
+    d0, d1, L, t_train, b_max = 0.65e-3, 18e-6, 25, 1.116e-3, 4096
+    costs = StepCosts(d0=d0, d1=d1, train_per_response=t_train, response_len=L, batches=(16, 128),
+                      step_s=(d0 + 16 * d1, d0 + 128 * d1))
+    q_top = 1 / (L * (d0 / b_max + d1) + t_train)
+    want = math.ceil(L * d0 / (1 / (0.9 * q_top) - L * d1 - t_train))
+    p = predict_knee(preset("tiny"), {"bandwidth_bytes_per_s": 1e15, "flops_per_s": {"float32": 1e18}},
+                     context_len=32, dtype="float32", delta=0.1, b_max=b_max, costs=costs)
+    assert want == 92 and p.critical_b_q == want and p.q_max == pytest.approx(q_top)
+    plain = predict_knee(preset("tiny"), {"bandwidth_bytes_per_s": 1e15, "flops_per_s": {"float32": 1e18}},
+                         context_len=32, dtype="float32", delta=0.1, b_max=b_max)
+    assert p.costs["d0"] == d0 and p.critical_b == plain.critical_b and plain.costs is None
+    # where Eq. 5's bound is the larger (slow ceilings), it sets t_dec and the knee moves with it
+    slow = predict_knee(preset("tiny"), {"bandwidth_bytes_per_s": 1e9, "flops_per_s": {"float32": 1e10}},
+                        context_len=32, dtype="float32", delta=0.1, b_max=b_max, costs=costs)
+    assert slow.critical_b_q != want
+
+
+def test_measured_step_costs_fit_the_two_decode_batches():
+    """d0 + d1 B passes through both measured step times; the learner's time per response is positive."""
+    from rlengine.rl.config import load_config
+    from rlengine.tune.step_costs import measure_step_costs
+
+    job = load_config("rlengine/configs/grpo_long.toml").to_dict()
+    c = measure_step_costs(job, batches=(4, 16), steps=4)
+    small, large = c.step_s
+    assert c.d0 + c.d1 * 4 == pytest.approx(small) or c.d1 == 0.0
+    assert c.d1 == 0.0 or c.d0 + c.d1 * 16 == pytest.approx(large)
+    assert c.train_per_response > 0 and c.response_len == job["gen"]["max_tokens"]
+
+
 def test_cli_refuses_bad_b_gen_and_takes_overrides(tmp_path, capsys):
     for bad in ("1,2", "128", "64,256"):               # the job's B_train is 128
         assert main(["tune", "--config", "grpo", "--b-gen", bad, "--out", str(tmp_path / "x")]) == 2
