@@ -41,11 +41,8 @@ On a CPU, cpu_kernels picks how the projections and the LM head run (model/kerne
 disk), "torch" / "skinny" (one rule), or a saved table's .json (pinned).
 batch_invariant=True (CPU; model/batch_invariant.py) runs one fixed-order kernel per op
 instead, so each token's log-prob equals the learner's recomputation bit for bit at any batch size.
-shared_prefix_decode: decode steps attend a GRPO group's shared prompt pages once per group (cascade
-attention, engine/attention/cascade.py) on the cpp and triton backends. None (the default) takes the
-backend's measured default (on for cpp, off for triton: slower than plain decode on an H200) and runs a
-step as cascade only where its plan saves at least AUTO_SHARED_FRACTION of the step's page reads;
-True runs it wherever a whole page is shared, False never.
+shared_prefix_decode: decode attends a GRPO group's shared prompt pages once per group (engine/attention/
+cascade.py); None follows the backend's measured choice (AttentionBackend.configure_shared_prefix).
 """
 
 from __future__ import annotations
@@ -80,10 +77,6 @@ from rlengine.telemetry.nvtx import PhaseRanges
 from rlengine.telemetry.records import StepRecord
 
 PENDING = -1  # overlap: token_ids placeholder of a token still being sampled (never a real token id)
-# shared_prefix_decode=None: cascade where a step's plan saves at least this fraction of its page reads. Measured on
-# the cpp backend (docs/RESULTS.md): 22% saved (the long-response job's 1 shared page of 4) ran the step at 0.91x
-# plain, the planner's ~90 us included; 91% saved (512-token prompts) at 1.27-1.76x.
-AUTO_SHARED_FRACTION = 0.5
 
 
 @dataclass(slots=True)
@@ -140,10 +133,7 @@ class LLM:
         attention_backend = batch_invariant_backend(self.model, batch_invariant, attention_backend)
         backend_cls = resolve_backend(attention_backend, self.device)
         self.backend = backend_cls(self.kv_cache, cfg.num_attention_heads, cfg.head_dim, max_num_seqs)
-        auto = shared_prefix_decode is None
-        shared_prefix_decode = self.backend.shared_prefix_by_default if auto else shared_prefix_decode
-        self.backend.shared_prefix = shared_prefix_decode and self.backend.supports_shared_prefix
-        self.backend.min_shared_fraction = AUTO_SHARED_FRACTION if auto else 0.0
+        self.backend.configure_shared_prefix(shared_prefix_decode)
         max_pages = -(-self.max_model_len // block_size)
         self.block_manager = BlockManager(0, block_size, max_seqs=max_num_seqs, max_pages_per_seq=max_pages,
                                           pool=self.kv_pool.blocks)

@@ -50,6 +50,12 @@ def store_kv(k_TKD, v_TKD, k_cache, v_cache, slot_mapping_T) -> None:
     v_cache.view(-1, Hkv, D).index_copy_(0, slot_mapping_T, v_TKD.to(v_cache.dtype))
 
 
+# shared_prefix_decode=None: cascade where a step's plan saves at least this fraction of its page reads. Measured on
+# the cpp backend (docs/RESULTS.md): 22% saved (the long-response job's 1 shared page of 4) ran the step at 0.91x
+# plain, the planner's ~90 us included; 91% saved (512-token prompts) at 1.27-1.76x.
+AUTO_SHARED_FRACTION = 0.5
+
+
 class AttentionBackend:
     name = "base"
     graph_safe = False
@@ -68,6 +74,14 @@ class AttentionBackend:
         self.min_shared_fraction = 0.0  # cascade only where the plan saves at least this fraction of page reads
         self._rows_not_worth: np.ndarray | None = None  # first page per row of the last batch found not worth it
         self.num_cascade_steps = 0  # decode steps that ran as cascade attention
+
+    def configure_shared_prefix(self, setting: bool | None) -> None:
+        """LLM(shared_prefix_decode=setting): None takes this backend's measured default and the
+        AUTO_SHARED_FRACTION rule; True runs cascade wherever a whole page is shared; False never."""
+        auto = setting is None
+        on = self.shared_prefix_by_default if auto else setting
+        self.shared_prefix = on and self.supports_shared_prefix
+        self.min_shared_fraction = AUTO_SHARED_FRACTION if auto else 0.0
 
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
