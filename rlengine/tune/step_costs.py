@@ -54,12 +54,7 @@ def _learner_s(model, sequences: int, seq_len: int) -> float:
     from rlengine.rl.learner.batching import TrainBatch
     from rlengine.rl.learner.logprobs import token_logprobs
 
-    gen = torch.Generator().manual_seed(0)
-    mb = TrainBatch.filler(model.device)
-    T = sequences * seq_len
-    mb.input_ids = torch.randint(0, model.config.vocab_size, (T,), generator=gen)
-    mb.targets = torch.randint(0, model.config.vocab_size, (T,), generator=gen)
-    mb.cu_seqlens = [i * seq_len for i in range(sequences + 1)]
+    mb = TrainBatch.random_tokens(model.config.vocab_size, sequences, seq_len, model.device)
     seconds = 0.0
     for _ in range(2):
         model.zero_grad(set_to_none=True)

@@ -80,6 +80,18 @@ class TrainBatch:
         return TrainBatch(input_ids=ids, targets=ids, loss_mask=z, old_logprobs=z, advantages=z,
                           rewards=z, seq_ids=ids, cu_seqlens=[0, 1])
 
+    @staticmethod
+    def random_tokens(vocab_size: int, sequences: int, seq_len: int, device, seed: int = 0) -> "TrainBatch":
+        """`sequences` packed sequences of seq_len random input and target ids (a filler otherwise): the
+        shape of a micro-batch for measuring the learner's memory or time, whose values do not matter."""
+        gen = torch.Generator().manual_seed(seed)
+        T = sequences * seq_len
+        mb = TrainBatch.filler(device)
+        mb.input_ids = torch.randint(0, vocab_size, (T,), generator=gen).to(device)
+        mb.targets = torch.randint(0, vocab_size, (T,), generator=gen).to(device)
+        mb.cu_seqlens = [i * seq_len for i in range(sequences + 1)]
+        return mb
+
     def to(self, device) -> "TrainBatch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return TrainBatch(input_ids=move(self.input_ids), targets=move(self.targets),

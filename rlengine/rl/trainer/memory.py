@@ -237,18 +237,14 @@ def learner_peak(model, tc, sequences: int, seq_len: int, meter) -> int:
     training state, and a later micro-batch accumulates into them) and restored after. The step runs
     twice and only the second is metered: the first makes the one-time allocations that are no
     activations (on an H200 a tiny model's first step peaked at 38 MB against a 21 MB estimate, about
-    cuBLAS's 32 MiB default workspace too much; the plan's CUDA reserve counts workspaces). meter: a context manager whose .peak is bytes above
-    its entry level (CudaPeak; on the CPU tests/support/cpu_peak.PeakHeap stands in)."""
+    cuBLAS's 32 MiB default workspace too much; the plan's CUDA reserve counts workspaces). meter: a
+    context manager whose .peak is bytes above its entry level (CudaPeak; on the CPU
+    tests/support/cpu_peak.PeakHeap stands in)."""
     from rlengine.rl.learner.batching import TrainBatch
     from rlengine.rl.learner.logprobs import processed_token_logprobs, token_logprobs
 
     device, g = model.device, tc.gen
-    gen = torch.Generator().manual_seed(0)
-    T = sequences * seq_len
-    mb = TrainBatch.filler(device)
-    mb.input_ids = torch.randint(0, model.config.vocab_size, (T,), generator=gen).to(device)
-    mb.targets = torch.randint(0, model.config.vocab_size, (T,), generator=gen).to(device)
-    mb.cu_seqlens = [i * seq_len for i in range(sequences + 1)]
+    mb = TrainBatch.random_tokens(model.config.vocab_size, sequences, seq_len, device)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
     for p in params:  # fresh zeros: the originals come back untouched

@@ -91,7 +91,8 @@ def build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode,
                      model.config.max_position_embeddings)
     common = dict(block_size=g.block_size, max_model_len=shape.max_model_len,
                   attention_backend=cfg.attention_backend, enforce_eager=g.enforce_eager, cpu_kernels=g.cpu_kernels,
-                  batch_invariant=g.batch_invariant, shared_prefix_decode=None if g.shared_prefix_decode == "auto" else g.shared_prefix_decode)
+                  batch_invariant=g.batch_invariant,
+                  shared_prefix_decode=None if g.shared_prefix_decode == "auto" else g.shared_prefix_decode)
     eval_seqs = shape.eval_seqs
     memory_plan = plan_engines(cfg, model, shape, dist)
     num_kv_blocks = memory_plan.num_kv_blocks
