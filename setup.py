@@ -5,7 +5,7 @@ built only when torch has CUDA and nvcc is found. Ops register with TORCH_LIBRAR
 TORCH_LIBRARY_IMPL (torch.ops.rlengine.*), so each source file stands alone and no binding file
 lists them. The two extensions build and fail separately: a bad .cu file costs the CUDA kernels,
 never the CPU ops. A failed build prints the compiler's output, does not fail the install, and is
-recorded in rlengine/_build_status.json, which rlengine/_ext.py reads (the import warning and
+recorded in rlengine/_build_status.json, which rlengine/model/ext.py reads (the import warning and
 `rlengine info` show it). Environment (read here only, never by library code):
   RLENGINE_REQUIRE_EXT=1  a failed or skipped extension build fails the install (tools/gpu_check.sh)
   RLENGINE_PORTABLE=1     no -march=native (e.g. for a wheel shared across CPUs)

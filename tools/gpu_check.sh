@@ -56,13 +56,13 @@ build() {
   command -v ninja >/dev/null || echo "[gpu_check] WARNING: no ninja: the extensions compile one file at a time"
   # --no-deps: the device machine reaches no package index; its image holds torch, triton, transformers,
   # safetensors, tokenizers, rich, nvidia-ml-py and pytest. RLENGINE_REQUIRE_EXT=1 makes a failed build fatal.
-  python3 -m pip install --no-build-isolation --no-deps -v -e . && python3 -c "import rlengine._ext as e; \
+  python3 -m pip install --no-build-isolation --no-deps -v -e . && python3 -c "import rlengine.model.ext as e; \
 print('\n'.join(e.status_lines())); assert e.AVAILABLE and e.CUDA_AVAILABLE, 'both extensions must load'"
 }
 
 has_build() {
   [ "$DRY" != 0 ] && return 1
-  python3 -c "import rlengine._ext as e; assert e.AVAILABLE and e.CUDA_AVAILABLE" >/dev/null 2>&1
+  python3 -c "import rlengine.model.ext as e; assert e.AVAILABLE and e.CUDA_AVAILABLE" >/dev/null 2>&1
 }
 
 build_or_stop() {  # a failed build ends the step: nothing after it could mean anything

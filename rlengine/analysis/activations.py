@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlengine.config import ModelConfig
+from rlengine.model.config import ModelConfig
 
 BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 HEAD_CHUNK_ELEMS = 2**23  # [T_c, V] fp32 elements of one chunk of the chunked torch head (32 MiB)

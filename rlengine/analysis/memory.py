@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlengine.analysis.roofline import param_counts
-from rlengine.config import ModelConfig
+from rlengine.model.config import ModelConfig
 
 _BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 

@@ -35,7 +35,7 @@ from rlengine.analysis.activations import BYTES as _BYTES
 from rlengine.analysis.activations import activation_bytes
 from rlengine.analysis.memory import training_state_bytes
 from rlengine.analysis.roofline import b_kv, kv_bytes_per_seq, param_counts
-from rlengine.config import ConfigError, ModelConfig
+from rlengine.model.config import ConfigError, ModelConfig
 
 GiB = 2**30
 __all__ = ["GiB", "MemoryPlan", "activation_bytes", "plan_memory"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from rlengine.config import ModelConfig
+from rlengine.model.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

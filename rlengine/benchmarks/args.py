@@ -12,8 +12,8 @@ import argparse
 
 import torch
 
-from rlengine.config import DTYPES, ConfigError
-from rlengine.preflight import check_backend, check_device
+from rlengine.model.config import DTYPES, ConfigError
+from rlengine.plan.preflight import check_backend, check_device
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -33,14 +33,14 @@ from rlengine.analysis.fits import bootstrap_fits, critical_generation_batch, fi
 from rlengine.benchmarks.args import add_model_options, check_args, int_list
 from rlengine.benchmarks.lengths import add_length_args, sample_lengths
 from rlengine.benchmarks.report import format_table, write_result
-from rlengine.config import DTYPES, ConfigError, preset
+from rlengine.model.config import DTYPES, ConfigError, preset
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.learner.batching import grpo_batch
 from rlengine.rl.config import TrainSection
 from rlengine.rl.distributed import Dist, init_from_env
 from rlengine.rl.learner.learner import Learner
-from rlengine.rl.types import RolloutGroup
+from rlengine.rl.rollout_group import RolloutGroup
 from rlengine.telemetry.profiler import ProfileWindow, step_profiler
 
 COLUMNS = ["b", "t_gen", "t_train", "q_gen", "mean_response_len", "responses_ratio", "t_gen_ratio", "q_gen_ratio",

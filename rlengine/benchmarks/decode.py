@@ -57,12 +57,12 @@ from rlengine.benchmarks.decode_rounds import TIMINGS, hf_round, ours_round, pre
 from rlengine.benchmarks.hf_baseline import HFProvider, load_pair
 from rlengine.benchmarks.lengths import add_length_args, sample_lengths
 from rlengine.benchmarks.report import format_table, free_name, write_result
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.engine.kv_cache import bytes_per_block
-from rlengine.config import DTYPES
+from rlengine.model.config import DTYPES
 from rlengine.engine.llm import LLM
 from rlengine.engine.sampling_params import SamplingParams
-from rlengine.preflight import check_model
+from rlengine.plan.preflight import check_model
 from rlengine.telemetry.nvml import NvmlSampler
 from rlengine.telemetry.profiler import ProfileWindow, step_profiler
 

@@ -30,7 +30,7 @@ def load_pair(model: str, dtype: torch.dtype, device: torch.device, workdir: str
     """(our model, transformers model) with the same weights; a preset gets random weights (seed 0)."""
     from transformers import AutoModelForCausalLM
 
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.model import Qwen3ForCausalLM, load_pretrained, save_pretrained
 
     moe_impl = "triton" if device.type == "cuda" else "ref"  # sync-free experts: capturable in CUDA graphs

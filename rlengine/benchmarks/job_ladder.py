@@ -35,7 +35,7 @@ COLUMNS = ["b_gen", "q", "q_spread", "q_ratio", "q_gen", "gen_share", "b_act", "
 def _probe(config: str, b_gen: int, b_train: int, updates: int, skip: int, seed: int, out: Path,
            extra: list[str]) -> dict:
     """One frozen-policy run of the job at b_gen; the window's figures."""
-    from rlengine.rl.config import load_config
+    from rlengine.rl.config import load_job_config
     from rlengine.rl.trainer import Trainer
 
     lead, end = probe_window(b_gen, b_train, skip, updates)
@@ -43,7 +43,7 @@ def _probe(config: str, b_gen: int, b_train: int, updates: int, skip: int, seed:
                  "--train.updates", str(end), "--eval.every", str(10 * end), "--eval.k", "1", "--task.num_eval", "16",
                  "--run.checkpoint_every", "0", "--run.progress", "false", "--run.seed", str(seed),
                  "--run.out_dir", str(out), "--run.overwrite", "true", *extra]
-    cfg = load_config(config, overrides)
+    cfg = load_job_config(config, overrides)
     if cfg.train.b_train != b_train:
         raise ValueError(f"the job's B_train is {cfg.train.b_train}, not {b_train}")
     Trainer(cfg).run()
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(extra) != len(args.override):
         p.error("--override takes KEY=VALUE")
 
-    from rlengine.rl.config import load_config
-    b_train = load_config(args.config, extra).train.b_train
+    from rlengine.rl.config import load_job_config
+    b_train = load_job_config(args.config, extra).train.b_train
     values = sorted(set(args.b_gen or [m * b_train for m in (1, 2, 4, 8)]))
     if values[0] < b_train:
         p.error(f"every B_gen must be >= the job's B_train ({b_train}), got {values}")

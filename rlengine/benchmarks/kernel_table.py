@@ -27,7 +27,7 @@ def format_table(table: dict) -> list[str]:
 
 
 def kernels_info(model: str, dtype: str, setting: str = "cache", save: str | None = None) -> int:
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.model import ops
     from rlengine.model.kernel_choice import configure_from_setting, machine_key
     from rlengine.model.ops import decide_for_model

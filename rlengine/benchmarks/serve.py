@@ -22,7 +22,7 @@ from rlengine.benchmarks.args import add_model_options, check_args
 from rlengine.benchmarks.lengths import add_length_args, sample_lengths
 from rlengine.benchmarks.report import format_table, write_result
 from rlengine.benchmarks.serving_metrics import RequestTiming, parse_slos, serving_metrics
-from rlengine.config import DTYPES, ConfigError, preset
+from rlengine.model.config import DTYPES, ConfigError, preset
 from rlengine.engine.llm import LLM
 from rlengine.engine.sampling_params import SamplingParams
 from rlengine.model.qwen3 import Qwen3ForCausalLM

@@ -40,7 +40,7 @@ from rlengine.engine.attention import AttentionBackend
 from rlengine.engine.step_inputs import StepInputs
 from rlengine.model.moe import engine_routing, recorded_routing
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.types import ForwardBatch
+from rlengine.engine.forward_batch import ForwardBatch
 
 GraphOutput = tuple[torch.Tensor, torch.Tensor | None]  # hidden [bs, C], routing ids [bs, L, K] or None
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rlengine import _ext
+from rlengine.model import ext as _ext
 from rlengine.model import batch_invariant
 
 # On the CPU a full sort of [B, V] logits costs tens of ms at B = 256 (a decode step is ~100 ms):

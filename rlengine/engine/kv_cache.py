@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlengine.config import ModelConfig
+from rlengine.model.config import ModelConfig
 from rlengine.engine.block_manager import BlockPool
 
 

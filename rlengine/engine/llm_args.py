@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rlengine.config import DTYPES
+from rlengine.model.config import DTYPES
 from rlengine.model.factory import build_model, has_tokenizer_files, tokenizer_for
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer

@@ -40,7 +40,7 @@ from rlengine.engine.filtering import CANDIDATES, filter_logits  # noqa: F401 (r
 from rlengine.engine.sampling_params import LOGPROBS_MODES, SamplingParams
 from rlengine.engine.sampling_rules import StepRules
 from rlengine.model import batch_invariant
-from rlengine.types import SamplingBatch
+from rlengine.engine.forward_batch import SamplingBatch
 
 # Bits of SamplingBatch.kind, one int per sample.
 SAMPLED = 1     # temperature > 0 (else greedy)

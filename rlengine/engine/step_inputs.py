@@ -28,7 +28,7 @@ from rlengine.engine.block_manager import BlockManager
 from rlengine.engine.sampler import FILTERED, SEEDED, draw_keys, sample_kind
 from rlengine.engine.scheduler import ScheduledBatch
 from rlengine.engine.sequence import Sequence
-from rlengine.types import ForwardBatch, SamplingBatch
+from rlengine.engine.forward_batch import ForwardBatch, SamplingBatch
 
 # (name, dtype) of each section of the staging buffer, in buffer order. The graph-read sections
 # come first or are sized by capacity, and kv_indices (the only one of variable length in a

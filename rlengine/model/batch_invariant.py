@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlengine import _ext
+from rlengine.model import ext as _ext
 from rlengine.model.layers import apply_rope, rms_norm_ref
 
 OPS = ("inv_linear", "inv_attention_varlen", "inv_paged_decode", "inv_logsumexp", "inv_log", "inv_exp",

@@ -19,7 +19,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 
 
 class ChatTemplateError(ConfigError):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from rlengine.config import DTYPES, ConfigError, preset
+from rlengine.model.config import DTYPES, ConfigError, preset
 from rlengine.model.generation_config import generation_eos_ids, merge_ids
-from rlengine.model.loader import load_config, load_pretrained
+from rlengine.model.loader import load_model_config, load_pretrained
 from rlengine.model.moe import MOE_IMPLS, triton_available
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
@@ -72,7 +72,7 @@ def tokenizer_for(name: str) -> Tokenizer:
         return Tokenizer.from_pretrained(name)
     tok = Tokenizer.builtin()
     if Path(str(name)).is_dir():
-        vocab = load_config(name).vocab_size
+        vocab = load_model_config(name).vocab_size
         if vocab > BUILTIN_TOKENIZER_MAX_VOCAB:
             raise ConfigError(
                 f"{name}: no tokenizer files (tokenizer.json / tokenizer_config.json) and the model's vocabulary is "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlengine.config import ModelConfig
+from rlengine.model.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)

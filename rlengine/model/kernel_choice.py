@@ -105,7 +105,8 @@ def machine_key() -> dict:
                 break
     except OSError:
         pass
-    from rlengine import __version__, _ext
+    from rlengine import __version__
+    from rlengine.model import ext as _ext
     return {"cpu": model, "ext_build": _ext.build_id(), "flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:12],
             "torch": torch.__version__, "rlengine": __version__, "threads": torch.get_num_threads(),
             "timing": TIMING}

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from rlengine.config import ConfigError, ModelConfig
+from rlengine.model.config import ConfigError, ModelConfig
 from rlengine.model.hf_names import WeightSpec, weight_map
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 
@@ -29,7 +29,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is missing, unreadable, or disagrees with its config."""
 
 
-def load_config(path: str | Path) -> ModelConfig:
+def load_model_config(path: str | Path) -> ModelConfig:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{cfg_path}: missing (a checkpoint directory needs config.json)")
@@ -110,7 +110,7 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
-    cfg = load_config(path)
+    cfg = load_model_config(path)
     reader = _Reader(_weight_files(path))
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg, moe_impl=moe_impl, seed=None)
@@ -213,4 +213,6 @@ def write_hf_export(tensors: dict[str, torch.Tensor], hf_cfg: dict, path: str | 
     return path
 
 
-__all__ = ["load_pretrained", "save_pretrained", "load_config", "CheckpointError", "ConfigError"]
+load_config = load_model_config  # the name before load_model_config; kept for old imports
+
+__all__ = ["load_pretrained", "save_pretrained", "load_model_config", "load_config", "CheckpointError", "ConfigError"]

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from rlengine import _ext
+from rlengine.model import ext as _ext
 from rlengine.model.kernel_choice import KernelChoices, projection_shapes, rows_class, shape_key
 
 FUSED = all(_ext.has_op(op) for op in ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul"))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rlengine.config import ModelConfig
+from rlengine.model.config import ModelConfig
 from rlengine.model import batch_invariant as inv
 from rlengine.model import batch_invariant_moe as inv_moe
 from rlengine.model import ops as op_dispatch

@@ -11,10 +11,10 @@
     learner/      groups -> packed TrainBatch (batching), and one optimizer update (learner)
     trainer/      the job: the loop, its parts, checkpoints, run directories, outputs, memory plan
 
-`from rlengine.rl import Trainer, TrainConfig, load_config` gives the entry points.
+`from rlengine.rl import Trainer, TrainConfig, load_job_config` gives the entry points.
 """
 
-__all__ = ["Trainer", "TrainConfig", "load_config"]
+__all__ = ["Trainer", "TrainConfig", "load_job_config", "load_config"]
 
 
 def __getattr__(name: str):
@@ -22,7 +22,7 @@ def __getattr__(name: str):
     if name == "Trainer":
         from rlengine.rl.trainer import Trainer
         return Trainer
-    if name in ("TrainConfig", "load_config"):
+    if name in ("TrainConfig", "load_job_config", "load_config"):
         from rlengine.rl import config
         return getattr(config, name)
     raise AttributeError(f"module 'rlengine.rl' has no attribute {name!r}")

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Two-stage batch tuning (docs/METHOD.md Algorithm 1) as Python functions and `rlengine tune` / `rlengine report`.
 
-    spec = TuneSpec(job=load_config(path).to_dict(), target_j=0.6, b_train=(64, 128, 256, 512))
+    spec = TuneSpec(job=load_job_config(path).to_dict(), target_j=0.6, b_train=(64, 128, 256, 512))
     result = tune(spec, "runs/tune")                 # stage 1, stage 2, choice, confirmation, report
     s1 = run_stage1(spec, TrainerRunner(spec.job, "runs/tune"), notes=[])   # or one stage alone
     report = report_runs(["runs/tune/runs"], target_j=0.6)                  # accounting of existing runs
@@ -16,7 +16,7 @@ from rlengine.tune.runner import TrainerRunner
 from rlengine.tune.stage1 import plan_stage1, run_stage1
 from rlengine.tune.stage2 import kv_limit, run_stage2
 from rlengine.tune.table import build_rows, choose_row
-from rlengine.tune.types import (CandidateStats, Confirmation, GenPoint, GenSweep, RunCurve, RunPlan, RunsReport,
+from rlengine.tune.stage_records import (CandidateStats, Confirmation, GenPoint, GenSweep, RunCurve, RunPlan, RunsReport,
                                  Stage1Result, Stage2Result, TableRow, TargetHit, TuneResult, TuneSpec)
 
 __all__ = ["CandidateStats", "Confirmation", "GenPoint", "GenSweep", "RunCurve", "RunPlan", "RunsReport", "SlopeFit",

@@ -18,7 +18,7 @@ from typing import Sequence
 
 from rlengine.analysis.accounting import value_at
 from rlengine.tune.stats import monotone_crossing
-from rlengine.tune.types import CandidateStats, EngineFacts, RunCurve, TargetHit
+from rlengine.tune.stage_records import CandidateStats, EngineFacts, RunCurve, TargetHit
 
 
 def lr_effective(train: dict) -> float:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from rlengine.tune.curves import mean_sd
-from rlengine.tune.types import CandidateStats
+from rlengine.tune.stage_records import CandidateStats
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,7 +18,7 @@ import math
 from typing import Callable, Sequence
 
 from rlengine.tune.stats import repeat_spread
-from rlengine.tune.types import GenPoint, GenSweep, RunCurve, RunPlan
+from rlengine.tune.stage_records import GenPoint, GenSweep, RunCurve, RunPlan
 
 Runner = Callable[[RunPlan], "RunCurve | None"]
 

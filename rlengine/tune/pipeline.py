@@ -23,7 +23,7 @@ from rlengine.tune.stage1 import budgets, curve_overrides, lr_scale, run_stage1
 from rlengine.tune.stats import faster_per_seed, paired_log_ratio, sign_test_p
 from rlengine.tune.stage2 import run_stage2
 from rlengine.tune.table import build_rows, choose_row
-from rlengine.tune.types import (Confirmation, GenPoint, GenSweep, RunCurve, RunPlan, RunsReport, TableRow,
+from rlengine.tune.stage_records import (Confirmation, GenPoint, GenSweep, RunCurve, RunPlan, RunsReport, TableRow,
                                  TuneResult, TuneSpec)
 
 Runner = Callable[[RunPlan], "RunCurve | None"]

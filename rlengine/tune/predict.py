@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlengine.analysis.roofline import decode_roofline
-from rlengine.config import ConfigError, ModelConfig
+from rlengine.model.config import ConfigError, ModelConfig
 
 # datasheet peaks (SXM): HBM bandwidth in bytes/s, dense bf16 FLOP/s
 NAMED = {"H100": {"bandwidth_bytes_per_s": 3.35e12, "flops_per_s": {"bfloat16": 989e12, "float32": 67e12},
@@ -130,7 +130,7 @@ def predict_knee(cfg: ModelConfig, ceilings: dict, *, context_len: int, dtype: s
 
 def job_model_config(job: dict) -> ModelConfig:
     """The job's ModelConfig: a preset name, or a checkpoint directory's config.json."""
-    from rlengine.config import PRESETS, preset
+    from rlengine.model.config import PRESETS, preset
 
     name = job["model"]["name"]
     if name in PRESETS:

@@ -21,7 +21,7 @@ from typing import Sequence
 from rlengine.tune.gradnorm import SlopeFit, grad_norm_slope
 from rlengine.tune.report_md import (candidates_markdown, confirm_markdown, grad_lines, header_markdown,
                                      slopes_markdown, sweeps_markdown, table_markdown)
-from rlengine.tune.types import CandidateStats, RunsReport, TableRow, TuneResult
+from rlengine.tune.stage_records import CandidateStats, RunsReport, TableRow, TuneResult
 
 __all__ = ["chosen_toml", "draw_figures", "grad_fits", "table_markdown", "to_toml", "write_report",
            "write_runs_report"]

@@ -11,7 +11,7 @@ import math
 from typing import Sequence
 
 from rlengine.tune.gradnorm import SlopeFit
-from rlengine.tune.types import CandidateStats, GenSweep, TableRow, TuneResult
+from rlengine.tune.stage_records import CandidateStats, GenSweep, TableRow, TuneResult
 
 
 def _f(v, fmt="{:.3g}") -> str:

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from rlengine.tune.curves import candidate_stats
 from rlengine.tune.runner import run_plans
-from rlengine.tune.types import CandidateStats, RunCurve, RunPlan, TuneSpec
+from rlengine.tune.stage_records import CandidateStats, RunCurve, RunPlan, TuneSpec
 
 Runner = Callable[[RunPlan], "RunCurve | None"]
 BRACKET = (1 / math.sqrt(2), math.sqrt(2))   # with the rule's own x1, the bracket x{1/sqrt2, 1, sqrt2}

@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.rl.config import TrainConfig
 from rlengine.tune.curves import curve_from_records, read_run
-from rlengine.tune.types import EngineFacts, RunCurve, RunPlan
+from rlengine.tune.stage_records import EngineFacts, RunCurve, RunPlan
 
 
 def resolve_clock(clock: str, job: dict) -> str:

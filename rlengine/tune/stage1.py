@@ -14,12 +14,12 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.tune.curves import candidate_stats, group_curves, lr_effective
 from rlengine.tune.ladder import implied_max_lag, window_point
 from rlengine.tune.retune import retune
 from rlengine.tune.runner import run_plans
-from rlengine.tune.types import RunCurve, RunPlan, Stage1Result, TuneSpec
+from rlengine.tune.stage_records import RunCurve, RunPlan, Stage1Result, TuneSpec
 
 Runner = Callable[[RunPlan], "RunCurve | None"]
 # default N grid: about this many evaluations over N_max, at a multiple of the largest candidate B_train (so

@@ -24,7 +24,7 @@ from rlengine.tune.curves import candidate_stats, mean_sd
 from rlengine.tune.ladder import probe_window, run_ladder, window_point
 from rlengine.tune.runner import run_plans
 from rlengine.tune.stage1 import curve_overrides, lr_scale
-from rlengine.tune.types import (CandidateStats, EngineFacts, GenPoint, GenSweep, RunCurve, RunPlan, Stage1Result,
+from rlengine.tune.stage_records import (CandidateStats, EngineFacts, GenPoint, GenSweep, RunCurve, RunPlan, Stage1Result,
                                  Stage2Result, TuneSpec)
 
 Runner = Callable[[RunPlan], "RunCurve | None"]

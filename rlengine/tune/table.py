@@ -19,7 +19,7 @@ from typing import Sequence
 from rlengine.analysis.accounting import TargetRun, best_q_over_r, time_to_target
 from rlengine.tune.curves import mean_sd
 from rlengine.tune.stats import paired_log_ratio
-from rlengine.tune.types import CandidateStats, TableRow
+from rlengine.tune.stage_records import CandidateStats, TableRow
 
 
 def _reached(c: CandidateStats) -> dict[int, tuple[float, float]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     from rlengine.tune.runner import TrainerRunner, plan_config
-    from rlengine.tune.types import RunPlan
+    from rlengine.tune.stage_records import RunPlan
 
     if len(argv) != 1:
         print("usage: python -m rlengine.tune.worker TASK.json", file=sys.stderr)

@@ -16,7 +16,7 @@ from rlengine.analysis.fits import (critical_generation_batch, critical_training
                                     fit_mccandlish, fit_training_time)
 from rlengine.analysis.roofline import (b_kv, decode_roofline, expected_distinct_experts, kv_bytes_per_seq,
                                         param_counts, weight_bytes_per_step)
-from rlengine.config import preset
+from rlengine.model.config import preset
 
 # ---- docs/METHOD.md Table 1 -------------------------------------------------------------------
 # (label, P, K*, N* in thousands of responses, T hours, r_N, q/q_128, T/T_128); G = 8.

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rlengine.analysis.activations import activation_parts
-from rlengine.config import ModelConfig
+from rlengine.model.config import ModelConfig
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.learner.batching import TrainBatch
 from rlengine.rl.learner.logprobs import processed_token_logprobs, token_logprobs

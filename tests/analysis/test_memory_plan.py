@@ -18,10 +18,10 @@ from rlengine.analysis.memory import training_state_bytes
 from rlengine.analysis.memory_plan import GiB, activation_bytes, plan_memory, sampler_bytes
 from rlengine.rl.trainer.memory import plan_for_config
 from rlengine.analysis.roofline import b_kv, kv_bytes_per_seq
-from rlengine.config import ConfigError, preset
+from rlengine.model.config import ConfigError, preset
 from rlengine.engine.kv_cache import bytes_per_block
 from rlengine.model import Qwen3ForCausalLM
-from rlengine.rl.config import load_config
+from rlengine.rl.config import load_job_config
 
 import torch
 
@@ -107,7 +107,7 @@ def test_a_budget_too_small_for_one_group_fails_at_start_naming_the_numbers():
 def test_plan_for_a_train_config_and_the_cli(capsys):
     from rlengine.cli import main
 
-    cfg = load_config(None, ["--model.name", "qwen3-0.6b", "--model.dtype", "bfloat16", "--train.group_size", "8",
+    cfg = load_job_config(None, ["--model.name", "qwen3-0.6b", "--model.dtype", "bfloat16", "--train.group_size", "8",
                              "--train.b_train", "256", "--train.micro_batch", "16", "--gen.max_tokens", "1024"])
     plan = plan_for_config(cfg, device_bytes=141 * GiB, max_model_len=1100)
     assert plan.group_size == 8 and plan.b_gen == 256 and plan.training_state == training_state_bytes(

@@ -4,7 +4,7 @@ import pytest
 
 from rlengine.analysis.memory import training_bytes_per_param, training_state_bytes
 from rlengine.analysis.roofline import b_kv, kv_bytes_per_seq, param_counts
-from rlengine.config import preset
+from rlengine.model.config import preset
 
 
 @pytest.mark.parametrize("dtype,mode,expect", [

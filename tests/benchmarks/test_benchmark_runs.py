@@ -37,7 +37,7 @@ def test_asymmetry_bench_runs_and_fits(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("batches,match", [("8", "at least two"), ("8,12", "multiples")])
 def test_asymmetry_bench_rejects_bad_sweeps(tmp_path, batches, match):
-    from rlengine.config import ConfigError
+    from rlengine.model.config import ConfigError
 
     with pytest.raises(ConfigError, match=match):
         asymmetry.main(["--model", "tiny", "--batches", batches, "--out", str(tmp_path)])

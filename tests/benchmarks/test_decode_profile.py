@@ -28,7 +28,7 @@ def test_profile_rows_parts_add_up_and_engine_is_restored(tmp_path):
 
 
 def test_instrumented_engine_is_restored_and_counts_calls():
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.model.qwen3 import Qwen3ForCausalLM
 
     model = Qwen3ForCausalLM(preset("tiny"))
@@ -50,7 +50,7 @@ def test_instrumented_engine_is_restored_and_counts_calls():
 
 def test_linear_floor_takes_the_fastest_candidate(monkeypatch):
     """On a fake clock each candidate costs a set time per call: the floor sums the cheapest per shape."""
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.model.qwen3 import Qwen3ForCausalLM
 
     class Clock:

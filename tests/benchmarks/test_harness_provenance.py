@@ -77,7 +77,7 @@ def test_provenance_fields():
 
 
 def test_engine_state_says_what_actually_ran():
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.engine import LLM
     from rlengine.model.qwen3 import Qwen3ForCausalLM
 

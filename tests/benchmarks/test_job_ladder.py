@@ -7,7 +7,7 @@ import json
 import torch
 
 from rlengine.benchmarks import job_ladder
-from rlengine.rl.config import load_config
+from rlengine.rl.config import load_job_config
 from rlengine.rl.trainer import Trainer
 
 from tests.support.short_runs import SHORT_RUN
@@ -19,7 +19,7 @@ CUT = ["--override", "warmstart.steps=5", "--override", "train.prompts_per_step=
 def test_a_frozen_policy_run_leaves_every_weight_as_it_was(tmp_path):
     """train.lr = 0 (the ladder's probes): generation, scoring and the learner step all run, and not a
     bit of the policy moves."""
-    cfg = load_config("rlengine/configs/grpo.toml", SHORT_RUN + ["--warmstart.steps", "0", "--train.lr", "0",
+    cfg = load_job_config("rlengine/configs/grpo.toml", SHORT_RUN + ["--warmstart.steps", "0", "--train.lr", "0",
                                                                  "--run.out_dir", str(tmp_path / "frozen")])
     trainer = Trainer(cfg)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}

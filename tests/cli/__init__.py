@@ -1,1 +1,1 @@
-"""Tests of the command line (rlengine/cli.py)."""
+"""Tests of the command line (rlengine/cli/commands.py)."""

@@ -43,7 +43,7 @@ def test_info_lists_ops_and_attention_backends(capsys):
 
 def test_info_plan_takes_overrides_such_as_the_checkpoint(tmp_path, capsys):
     """`rlengine info --plan gsm8k --model.name DIR`: the packaged job needs a checkpoint; the plan is of it."""
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.model import Qwen3ForCausalLM, save_pretrained
 
     save_pretrained(Qwen3ForCausalLM(preset("tiny")), tmp_path / "ckpt")
@@ -60,7 +60,7 @@ def test_generate_takes_an_explicit_tokenizer_for_a_checkpoint_without_one(tmp_p
     tokenizer does not fit it) and runs with --tokenizer DIR."""
     import dataclasses
 
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.model import Qwen3ForCausalLM, save_pretrained
     from rlengine.model.tokenizer import Tokenizer
 

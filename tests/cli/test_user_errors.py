@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlengine.cli import main
-from rlengine.config import preset
+from rlengine.model.config import preset
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD_ROW = {"prompt": "1+1=", "answer": "2"}
@@ -187,14 +187,14 @@ def no_heavy_work(monkeypatch):
     def reached(*a, **k):
         raise AssertionError("validation let a bad invocation through to the real work")
 
-    import rlengine.demo
+    import rlengine.model.demo
     import rlengine.engine
     import rlengine.rl.trainer
     import rlengine.tune
     from rlengine.benchmarks import asymmetry, decode, serve
 
     monkeypatch.setattr(rlengine.rl.trainer.Trainer, "__init__", reached)
-    monkeypatch.setattr(rlengine.demo, "run_demo", reached)
+    monkeypatch.setattr(rlengine.model.demo, "run_demo", reached)
     monkeypatch.setattr(rlengine.engine, "LLM", reached)
     monkeypatch.setattr(rlengine.tune, "tune", reached)
     monkeypatch.setattr(decode, "run", reached)
@@ -232,7 +232,7 @@ def test_user_error_is_one_line_exit_2_no_traceback(argv, named, tmp_path, capsy
 
 def test_a_bug_exits_1_with_its_traceback(tmp_path):
     """A genuine bug is not a user error: the command exits 1 and shows where it happened."""
-    code = ("import sys, rlengine.cli as cli\n"
+    code = ("import sys, rlengine.cli.commands as cli\n"
             "cli._cmd_info = lambda args: 1 // 0\n"
             "sys.exit(cli.main(['info']))\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -241,7 +241,7 @@ def test_a_bug_exits_1_with_its_traceback(tmp_path):
 
 
 def test_a_bug_propagates_from_main_in_process(monkeypatch):
-    import rlengine.cli as cli
+    import rlengine.cli.commands as cli
 
     monkeypatch.setattr(cli, "_cmd_info", lambda args: 1 // 0)
     with pytest.raises(ZeroDivisionError):
@@ -260,7 +260,7 @@ def test_debug_shows_the_traceback_of_a_user_error(argv, capsys):
 
 def test_multi_line_message_keeps_its_detail_above_the_summary(monkeypatch, capsys):
     """A reward failure's message carries the reward function's traceback: shown above the summary line."""
-    import rlengine.cli as cli
+    import rlengine.cli.commands as cli
     from rlengine.rl.data.rewards import RewardError
 
     def fail(args):

@@ -11,7 +11,7 @@ not subtract the max overflows; a kernel that drops the suffix level misses ever
 import pytest
 import torch
 
-from rlengine import _ext  # noqa: F401  (loads torch.ops.rlengine; fails loudly if the build is missing)
+from rlengine.model import ext as _ext  # noqa: F401  (loads torch.ops.rlengine; fails loudly if the build is missing)
 
 from tests.support.cascade_cases import CASCADE_CASES, cascade_tables, make_group_batch
 from tests.support.paged_decode_cases import check_against_references

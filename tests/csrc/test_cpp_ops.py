@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlengine import _ext  # noqa: F401  (loads torch.ops.rlengine; fails loudly if the build is missing)
+from rlengine.model import ext as _ext  # noqa: F401  (loads torch.ops.rlengine; fails loudly if the build is missing)
 from rlengine.model.layers import rms_norm_ref
 
 from tests.support.kv_cache_ref import store_kvcache_ref
@@ -68,7 +68,7 @@ def test_fused_add_rms_norm_updates_residual_in_place(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H,Hkv,D", [(4, 2, 16), (6, 1, 10), (2, 2, 128)], ids=["gqa2", "mqa-odd-half", "d128"])
 def test_qk_norm_rope_matches_model_math(dtype, H, Hkv, D):
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.model.layers import RotaryEmbedding, apply_rope
 
     cfg = preset("tiny").replace(num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D, rope_theta=500.0)
@@ -90,7 +90,7 @@ def test_qk_norm_rope_matches_model_math(dtype, H, Hkv, D):
 @pytest.mark.parametrize("H,Hkv,D", [(4, 2, 16), (6, 1, 10)], ids=["gqa2", "mqa-odd-half"])
 def test_qk_rope_without_norm_is_bitwise_the_model_math(dtype, H, Hkv, D):
     """q_w = k_w = None (Qwen2, Llama): RoPE only, rounded as apply_rope rounds; on a llama3 RoPE table."""
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.model.layers import RotaryEmbedding, apply_rope
 
     cfg = preset("tiny-llama").replace(num_attention_heads=H, num_key_value_heads=Hkv, head_dim=D)

@@ -5,7 +5,7 @@ flat, peaked and tied rows, targets near 0 and 1, and rows whose whole mass stay
 import pytest
 import torch
 
-from rlengine import _ext  # noqa: F401  (loads torch.ops.rlengine)
+from rlengine.model import ext as _ext  # noqa: F401  (loads torch.ops.rlengine)
 from rlengine.engine.filtering import nucleus_keep
 from tests.engine.test_filtering import _sorted_keep
 

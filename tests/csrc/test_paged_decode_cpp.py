@@ -10,7 +10,7 @@ tests/kernels/test_paged_decode.py.
 import pytest
 import torch
 
-from rlengine import _ext  # noqa: F401  (loads torch.ops.rlengine; fails loudly if the build is missing)
+from rlengine.model import ext as _ext  # noqa: F401  (loads torch.ops.rlengine; fails loudly if the build is missing)
 
 from tests.support.paged_decode_cases import bad_inputs, check_against_references, make_batch
 

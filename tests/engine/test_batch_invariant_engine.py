@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.engine.attention.invariant_backend import InvariantBackend
 from rlengine.engine.cuda_graph import StaticReplay
 from rlengine.model import batch_invariant as inv

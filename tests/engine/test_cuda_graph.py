@@ -194,7 +194,7 @@ def test_graphs_see_in_place_weight_updates(dense):
 def test_decode_graph_batch_is_static():
     """The bucket batch marks itself static, carries only placeholders in its host fields, and views the
     same buffer addresses that an ordinary decode step padded to the bucket writes (one prepare)."""
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.model.qwen3 import Qwen3ForCausalLM
 
     model = Qwen3ForCausalLM(preset("tiny"))

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import ConfigError, preset
+from rlengine.model.config import ConfigError, preset
 from rlengine.engine.kv_cache import bytes_per_block
 from rlengine.engine.llm import DEFAULT_CPU_KV_BYTES
 from rlengine.model import Qwen3ForCausalLM, save_pretrained

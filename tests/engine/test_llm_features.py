@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.engine.sampling_params import sample_seed
 from rlengine.model import Qwen3ForCausalLM
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.engine.cuda_graph import StaticReplay
 from rlengine.engine.model_runner import ModelRunner
 from rlengine.model import Qwen3ForCausalLM

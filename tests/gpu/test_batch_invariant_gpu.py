@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.kernels.invariant_attention import (invariant_attention_ref, invariant_attention_varlen,
                                                   invariant_paged_decode)
 from rlengine.kernels.invariant_logsumexp import invariant_logsumexp

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.engine.model_runner import ModelRunner
 from rlengine.engine.sampler import Sampler, make_sampling_batch
 from rlengine.engine.sampling_params import sample_seed

@@ -62,12 +62,12 @@ def test_cuda_trainer_measures_the_learner_peak_under_the_estimate(tmp_path, cap
     """The CUDA trainer runs one learner micro-step before sizing the KV pool: the plan says
     "measured", and the measured peak lies under the estimate (an upper bound) and above its saved part."""
     from rlengine.analysis.activations import activation_parts
-    from rlengine.config import preset
-    from rlengine.rl.config import load_config
+    from rlengine.model.config import preset
+    from rlengine.rl.config import load_job_config
     from rlengine.rl.trainer import Trainer
     from rlengine.rl.trainer.memory import learner_head
 
-    tc = load_config("rlengine/configs/grpo.toml", [
+    tc = load_job_config("rlengine/configs/grpo.toml", [
         "--model.dtype", "bfloat16", "--warmstart.steps", "0", "--train.updates", "1", "--train.prompts_per_step", "8",
         "--train.group_size", "4", "--task.num_eval", "4", "--run.progress", "false", "--gen.num_kv_blocks", "4096",
         "--run.out_dir", str(tmp_path / "run")])

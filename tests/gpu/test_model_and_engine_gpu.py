@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 
 from tests.support.engine_learner_logprobs import learner_minus_engine, low_precision_bounds, rollout_batch
@@ -96,7 +96,7 @@ STORE_CASES = [
 @pytest.mark.parametrize("dtype,Hkv,D,offset", STORE_CASES)
 def test_cuda_store_kvcache_matches_index_copy(dtype, Hkv, D, offset):
     from tests.support.kv_cache_ref import store_kvcache_ref
-    from rlengine import _ext
+    from rlengine.model import ext as _ext
 
     assert _ext.has_cuda_op("store_kvcache"), "the GPU build should include csrc/cuda/kv_cache.cu"
     num_blocks, P, T = 9, 16, 37

@@ -133,7 +133,7 @@ def test_bad_shapes_are_clear_errors():
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_model_fast_path_with_triton_kernels_matches_plain_forward(kind):
     """The no-grad fast path with the GPU kernel set (run here by the interpreter) vs the autograd path."""
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.model import qwen3
     from rlengine.model.attention import PackedCausal
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import ConfigError, ModelConfig, preset
+from rlengine.model.config import ConfigError, ModelConfig, preset
 from rlengine.model import load_pretrained, qwen3, save_pretrained
 from rlengine.model.attention import PackedCausal
 from rlengine.model.layers import RotaryEmbedding

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model import batch_invariant as inv
 from rlengine.model import batch_invariant_moe as inv_moe
 from rlengine.model.moe import SparseMoeBlock, moe_experts_ref, route

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import transformers  # the reference implementation (test extra)
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.model.chat_template import ChatTemplateError
 from rlengine.model.loader import CheckpointError
 from rlengine.model.tokenizer import Tokenizer

@@ -149,7 +149,7 @@ def test_info_kernels_prints_and_saves_a_table_that_pins(monkeypatch, tmp_path, 
     assert kernels_info("tiny", "float32", "measure", str(tmp_path / "t.json")) == 0
     out = capsys.readouterr().out
     table = json.loads((tmp_path / "t.json").read_text())["table"]
-    shapes = kc.projection_shapes(__import__("rlengine.config", fromlist=["preset"]).preset("tiny"))
+    shapes = kc.projection_shapes(__import__("rlengine.model.config", fromlist=["preset"]).preset("tiny"))
     assert len(table) == len(shapes) * len({kc.rows_class(r) for r in ROWS})
     assert all(key in out for key in table) and "vs torch" in out
     kc.configure_from_setting(ops.KERNELS, str(tmp_path / "t.json"))

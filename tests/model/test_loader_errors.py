@@ -5,7 +5,7 @@ import json
 import pytest
 from safetensors.torch import save_file
 
-from rlengine.config import ConfigError, ModelConfig, preset
+from rlengine.model.config import ConfigError, ModelConfig, preset
 from rlengine.model import CheckpointError, load_pretrained
 from rlengine.model.tokenizer import Tokenizer
 
@@ -105,7 +105,7 @@ def test_moe_topk_larger_than_experts():
 
 
 def test_hf_dict_round_trip_all_presets():
-    from rlengine.config import PRESETS
+    from rlengine.model.config import PRESETS
 
     for name in PRESETS:
         cfg = preset(name)

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model import load_pretrained, save_pretrained
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.learner.batching import grpo_batch
 from rlengine.rl.config import TrainSection
 from rlengine.rl.learner.learner import Learner, token_logprobs
-from rlengine.rl.types import RolloutGroup
+from rlengine.rl.rollout_group import RolloutGroup
 
 # small odd shapes: C=40, expert F=24, E=5, top-2; one dense layer in the middle
 CFG = preset("tiny-moe").replace(hidden_size=40, num_attention_heads=4, num_key_value_heads=2, head_dim=10,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlengine.rl.config import load_config
+from rlengine.rl.config import load_job_config
 from rlengine.rl.trainer import Trainer
 
 from tests.support.short_runs import SHORT_RUN, short_run_config
@@ -43,7 +43,7 @@ def test_the_default_mode_does_not_log_zero(tmp_path):
 
 
 def test_long_response_job_logs_logprob_diff_zero(tmp_path):
-    cfg = load_config("rlengine/configs/grpo_long.toml", SHORT_RUN + ON + ["--train.updates", "2", "--run.out_dir",
+    cfg = load_job_config("rlengine/configs/grpo_long.toml", SHORT_RUN + ON + ["--train.updates", "2", "--run.out_dir",
                                                                            str(tmp_path / "long")])
     assert _diffs(Trainer(cfg).run()) == [0.0, 0.0]
 
@@ -66,14 +66,14 @@ def test_the_warm_start_runs_the_default_kernels_and_keeps_the_mode():
     """Supervised warm start: the same weights with the mode on or off (nothing sampled to match)."""
     import torch
 
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.model.qwen3 import Qwen3ForCausalLM
     from rlengine.model.factory import tokenizer_for
     from rlengine.rl.data.tasks import build_task
     from rlengine.rl.data.warmstart import format_warmstart
 
     tok = tokenizer_for("tiny")
-    task = build_task(load_config("rlengine/configs/grpo.toml", []).task.name, num_train=50, num_eval=8)
+    task = build_task(load_job_config("rlengine/configs/grpo.toml", []).task.name, num_train=50, num_eval=8)
     models = [Qwen3ForCausalLM(preset("tiny"), seed=2) for _ in range(2)]
     models[1].batch_invariant = True
     for m in models:

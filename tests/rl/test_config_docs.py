@@ -3,7 +3,7 @@
 import dataclasses
 
 from rlengine.cli import main
-from rlengine.rl.config import load_config
+from rlengine.rl.config import load_job_config
 from rlengine.rl.config.docs import FIELD_DOCS
 from rlengine.rl.config.sections import _SECTION_TYPES, TrainConfig
 from rlengine.rl.config.show import field_rows
@@ -25,7 +25,7 @@ def test_every_field_of_every_section_has_a_doc():
 
 
 def test_rows_carry_value_default_and_change_mark():
-    cfg = load_config(None, ["--train.lr", "0.0042", "--gen.max_tokens", "13"])
+    cfg = load_job_config(None, ["--train.lr", "0.0042", "--gen.max_tokens", "13"])
     rows = {r.key: r for r in field_rows(cfg)}
     assert list(rows) == _all_keys()
     assert rows["train.lr"].value == 0.0042 and rows["train.lr"].default == 1e-3 and rows["train.lr"].changed

@@ -18,8 +18,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlengine.config import ConfigError
-from rlengine.rl.config import TrainConfig, load_config, split_overrides
+from rlengine.model.config import ConfigError
+from rlengine.rl.config import TrainConfig, load_job_config, split_overrides
 from rlengine.rl.config.sections import _SECTION_TYPES
 from rlengine.rl.data.tasks import DatasetError, Problem, read_jsonl
 
@@ -90,7 +90,7 @@ def override_lists(draw) -> list[str]:
 @given(override_lists())
 def test_random_overrides_parse_to_declared_types_or_raise_config_error(args):
     try:
-        cfg = load_config(None, args)
+        cfg = load_job_config(None, args)
     except ConfigError:
         return
     assert_typed(cfg)
@@ -112,7 +112,7 @@ def test_split_overrides_gives_dotted_keys_or_config_error(args):
 def test_every_real_field_with_a_random_literal(key, value):
     """One real field at a time, so a value that parses is checked against that field's type."""
     try:
-        cfg = load_config(None, [f"--{key}", value])
+        cfg = load_job_config(None, [f"--{key}", value])
     except ConfigError:
         return
     assert_typed(cfg)
@@ -142,7 +142,7 @@ def config_tables(draw) -> dict:
 @SETTINGS
 @given(config_tables())
 def test_random_tables_parse_to_declared_types_or_raise_config_error(table):
-    for build in (lambda: TrainConfig.from_dict(table), lambda: load_config(None, [], base=table)):
+    for build in (lambda: TrainConfig.from_dict(table), lambda: load_job_config(None, [], base=table)):
         try:
             cfg = build()
         except ConfigError:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.data.tasks import DatasetError, build_task, first_digit_task, read_jsonl
 

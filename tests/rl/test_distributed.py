@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlengine.rl.config import load_config
+from rlengine.rl.config import load_job_config
 from rlengine.rl.trainer.run_dir import resume_config
 from rlengine.rl.trainer import Trainer
 
@@ -87,7 +87,7 @@ def test_gradients_and_updates_equal_one_process(tmp_path):
 def test_two_ranks_reproduce_one_process_token_for_token(tmp_path):
     r = _train(2, tmp_path / "two", "--train.updates", "5")
     assert r.returncode == 0, r.stderr[-3000:]
-    one = Trainer(load_config("rlengine/configs/grpo.toml", SMALL + ["--train.updates", "5", "--run.out_dir",
+    one = Trainer(load_job_config("rlengine/configs/grpo.toml", SMALL + ["--train.updates", "5", "--run.out_dir",
                                                                       str(tmp_path / "one")]))
     one.run()
     _same_run(_metrics(tmp_path / "two"), _metrics(tmp_path / "one"))
@@ -168,7 +168,7 @@ def test_fsdp_run_matches_one_process_and_its_checkpoint_resumes_anywhere(tmp_pa
     on 2 ranks."""
     r = _train(2, tmp_path / "fsdp", "--train.updates", "2", "--train.parallel", "fsdp")
     assert r.returncode == 0, r.stderr[-3000:]
-    one = Trainer(load_config("rlengine/configs/grpo.toml", SMALL + ["--train.updates", "2", "--run.out_dir",
+    one = Trainer(load_job_config("rlengine/configs/grpo.toml", SMALL + ["--train.updates", "2", "--run.out_dir",
                                                                       str(tmp_path / "one")]))
     one.run()
     _same_run(_metrics(tmp_path / "fsdp"), _metrics(tmp_path / "one"))
@@ -192,7 +192,7 @@ def test_decode_graphs_are_recaptured_when_parameter_storage_moves(tmp_path):
     the trainer re-captures them when the storage moved (checked here through the CPU replay stand-in)."""
     from rlengine.engine.cuda_graph import StaticReplay
 
-    tr = Trainer(load_config("rlengine/configs/grpo.toml", SMALL + ["--train.updates", "1", "--run.out_dir",
+    tr = Trainer(load_job_config("rlengine/configs/grpo.toml", SMALL + ["--train.updates", "1", "--run.out_dir",
                                                                      str(tmp_path / "g"), "--model.dtype", "float32"]))
     for llm in (tr.llm, tr.eval_llm):
         llm._use_decode_graphs(StaticReplay)
@@ -257,7 +257,7 @@ def test_two_nodes_of_one_rank_reproduce_the_two_rank_run(tmp_path):
 def test_a_killed_rank_is_named_with_how_it_died():
     from types import SimpleNamespace as F
 
-    from rlengine.cli_launch import failure_line, how_it_ended as _how_it_ended
+    from rlengine.cli.launch import failure_line, how_it_ended as _how_it_ended
 
     assert _how_it_ended(1) == "exited with code 1"
     assert _how_it_ended(-9) == "killed by SIGKILL, likely out of memory (the kernel's OOM killer sends it)"
@@ -282,7 +282,7 @@ def test_a_rank_0_save_longer_than_the_collective_timeout_does_not_fail_the_job(
 
 
 def test_a_stopped_rank_ends_the_job_within_the_collective_timeout_and_is_named(tmp_path):
-    from rlengine.rank_watch import child_ranks
+    from rlengine.cli.rank_watch import child_ranks
 
     timeout = 16
     job = subprocess.Popen([sys.executable, "-m", "rlengine", "train", "--nproc", "2", *SMALL, "--train.updates",

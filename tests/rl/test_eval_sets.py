@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.model.tokenizer import Tokenizer
-from rlengine.rl.config import EvalSection, load_config
+from rlengine.rl.config import EvalSection, load_job_config
 from rlengine.rl.distributed import Dist
 from rlengine.rl.rollout.evaluation import EvalSet, Evaluator
 from rlengine.rl.data.reward_pool import InlineRunner
@@ -71,15 +71,15 @@ def test_pass_threshold():
 def test_config_shapes_and_unknown_primary(tmp_path):
     toml = tmp_path / "job.toml"
     toml.write_text('[eval]\nk = 2\nprimary = "math"\n[eval.sets]\ngsm8k = "g.jsonl"\nmath = "m.jsonl"\n')
-    cfg = load_config(toml)
+    cfg = load_job_config(toml)
     assert cfg.eval.sets == {"gsm8k": "g.jsonl", "math": "m.jsonl"} and cfg.eval.primary_set == "math"
-    inline = load_config(None, ["--eval.sets", '{x = "x.jsonl"}'])
+    inline = load_job_config(None, ["--eval.sets", '{x = "x.jsonl"}'])
     assert inline.eval.set_names == ["x"] and inline.eval.primary_set == "x"
-    assert load_config(None, []).eval.set_names == ["heldout"]  # no sets: the task's held-out split
+    assert load_job_config(None, []).eval.set_names == ["heldout"]  # no sets: the task's held-out split
     with pytest.raises(ConfigError, match="eval.primary = 'nope' is not an eval set; sets: gsm8k, math"):
-        load_config(toml, ["--eval.primary", "nope"])
+        load_job_config(toml, ["--eval.primary", "nope"])
     with pytest.raises(ConfigError, match="eval.primary"):
-        load_config(None, ["--eval.primary", "x"])
+        load_job_config(None, ["--eval.primary", "x"])
 
 
 def test_trainer_reports_every_set_and_j_from_primary(tmp_path):
@@ -93,11 +93,11 @@ def test_trainer_reports_every_set_and_j_from_primary(tmp_path):
             "--train.updates", "2", "--train.prompts_per_step", "2", "--train.group_size", "4", "--eval.k", "2",
             "--eval.every", "1", "--run.progress", "false", "--eval.sets", f'{{a = "{a}", b = "{b}"}}',
             "--eval.primary", "b", "--run.out_dir", str(tmp_path / "run")]
-    history = Trainer(load_config("grpo", over)).run()
+    history = Trainer(load_job_config("grpo", over)).run()
     for r in [h for h in history if "J" in h]:
         assert {"eval/a/mean@2", "eval/a/pass@2", "eval/b/mean@2", "eval/b/pass@2"} <= set(r)
         assert r["J"] == r["eval/b/mean@2"] and r["eval/a/pass@2"] >= r["eval/a/mean@2"] - 1e-12
-    default = Trainer(load_config("grpo", ["--warmstart.steps", "0", "--train.updates", "1",
+    default = Trainer(load_job_config("grpo", ["--warmstart.steps", "0", "--train.updates", "1",
                                            "--train.prompts_per_step", "2", "--train.group_size", "4",
                                            "--task.num_eval", "4", "--task.num_train", "20", "--run.progress",
                                            "false", "--run.out_dir", str(tmp_path / "default")])).run()

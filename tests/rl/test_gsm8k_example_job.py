@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlengine.config import ConfigError
-from rlengine.rl.config import load_config
+from rlengine.model.config import ConfigError
+from rlengine.rl.config import load_job_config
 from rlengine.rl.data.rewards import final_answer_format, get_reward
 from rlengine.rl.data.tasks import build_task, gsm8k_row
 from rlengine.rl.trainer import Trainer
@@ -23,14 +23,14 @@ SAMPLE = "rlengine:configs/data/gsm8k_sample.jsonl"
 
 
 def test_bare_name_resolves_to_the_packaged_config(tmp_path):
-    cfg = load_config("gsm8k", ["--model.name", str(tmp_path)])
+    cfg = load_job_config("gsm8k", ["--model.name", str(tmp_path)])
     assert (cfg.task.name, cfg.task.reward, cfg.task.chat_template) == ("jsonl", "math", True)
     assert (cfg.model.dtype, cfg.gen.max_tokens, cfg.train.lr, cfg.train.kl_coef) == ("bfloat16", 512, 1e-6, 0.0)
     with pytest.raises(ConfigError, match="model.name is required"):
-        load_config("gsm8k")
+        load_job_config("gsm8k")
     with pytest.raises(ConfigError, match=r"no packaged config of that name \(packaged: grpo, grpo_long, gsm8k, ppo"):
-        load_config("nosuchjob")
-    assert load_config("grpo").task.name == "first-digit"  # the existing bundled configs resolve by name too
+        load_job_config("nosuchjob")
+    assert load_job_config("grpo").task.name == "first-digit"  # the existing bundled configs resolve by name too
 
 
 def test_sample_is_package_data_and_maps_gsm8k_rows():
@@ -71,7 +71,7 @@ def test_gsm8k_job_with_chat_template_on_a_text_checkpoint(tmp_path):
     import transformers
     src = build_text_checkpoint(tmp_path / "src")
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(src.path))
-    system = load_config("gsm8k", ["--model.name", str(src.path)]).task.system_prompt
+    system = load_job_config("gsm8k", ["--model.name", str(src.path)]).task.system_prompt
     problems = build_task("jsonl", path=SAMPLE, num_eval=4)
     reference = {p.prompt: _reference_ids(hf_tok, [{"role": "system", "content": system},
                                                    {"role": "user", "content": p.prompt}])
@@ -87,7 +87,7 @@ def test_gsm8k_job_with_chat_template_on_a_text_checkpoint(tmp_path):
             "--eval.temperature", "0", "--eval.every", "5", "--eval.sets", f'{{sample = "{SAMPLE}"}}',
             "--run.out_dir", str(tmp_path / "run"), "--run.progress", "false", "--run.checkpoint_every", "0",
             "--run.samples_every", "5"]
-    tr = Trainer(load_config("gsm8k", over))
+    tr = Trainer(load_job_config("gsm8k", over))
     seen, evals = [], []
     add, gen = tr.llm.add_request, tr.eval_llm.generate
     tr.llm.add_request = lambda ids, params: seen.append(list(ids)) or add(ids, params)
@@ -111,7 +111,7 @@ def test_chat_template_without_template_is_a_config_error(tmp_path):
     over = ["--model.name", str(base.path), "--model.dtype", "float32", "--model.device", "cpu",
             "--task.reward_workers", "0", "--train.warmup_updates", "0", "--run.out_dir", str(tmp_path / "run")]
     with pytest.raises(ConfigError, match="no chat template"):
-        Trainer(load_config("gsm8k", over))
+        Trainer(load_job_config("gsm8k", over))
 
 
 def test_plain_prompts_get_the_tokenizers_special_tokens_like_transformers(tmp_path):

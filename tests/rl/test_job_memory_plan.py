@@ -18,9 +18,9 @@ import torch
 
 from rlengine.analysis.activations import activation_parts
 from rlengine.cli import main
-from rlengine.config import ConfigError, preset
+from rlengine.model.config import ConfigError, preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.rl.config import load_config
+from rlengine.rl.config import load_job_config
 from rlengine.rl.trainer import Trainer
 from rlengine.rl.trainer import memory
 from rlengine.rl.trainer.memory import (RANK_MEMORY_ENV, choose_micro_batch, job_shape, learner_peak,
@@ -65,7 +65,7 @@ def _need(tc, micro: int) -> int:
 
 
 def test_cpu_trainer_picks_the_micro_batch_the_host_share_fits(tmp_path, monkeypatch, capsys):
-    tc = load_config("rlengine/configs/grpo.toml", SMALL + ["--run.out_dir", str(tmp_path / "run")])
+    tc = load_job_config("rlengine/configs/grpo.toml", SMALL + ["--run.out_dir", str(tmp_path / "run")])
     most = sequences_per_rank(tc)
     assert most == 32 and tc.train.micro_batch == 0
     lo, hi = _need(tc, 8), _need(tc, 9)
@@ -83,7 +83,7 @@ def test_cpu_trainer_picks_the_micro_batch_the_host_share_fits(tmp_path, monkeyp
 
 
 def test_cpu_job_over_its_share_is_refused_at_start(tmp_path, monkeypatch):
-    tc = load_config("rlengine/configs/grpo.toml", SMALL + ["--run.out_dir", str(tmp_path / "run")])
+    tc = load_job_config("rlengine/configs/grpo.toml", SMALL + ["--run.out_dir", str(tmp_path / "run")])
     monkeypatch.setenv(RANK_MEMORY_ENV, str(int(_need(tc, 1) / 0.9) - 2**20))
     with pytest.raises(ConfigError, match=r"memory plan: the job needs .* per rank but has .* training state .* "
                                           r"KV pool .* run fewer ranks on this host"):
@@ -94,7 +94,7 @@ def test_cpu_job_over_its_share_is_refused_at_start(tmp_path, monkeypatch):
 def test_nproc_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
     import torch.distributed.run as tdr
 
-    tc = load_config("rlengine/configs/grpo.toml", SMALL)
+    tc = load_job_config("rlengine/configs/grpo.toml", SMALL)
     one = _need(tc, 1)
     started = []
     monkeypatch.setattr(tdr, "run", lambda launcher_args: started.append(launcher_args))
@@ -114,7 +114,7 @@ def test_nproc_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
 
 
 def test_measured_learner_peak_with_the_cpu_meter():
-    tc = load_config("rlengine/configs/grpo.toml", SMALL)
+    tc = load_job_config("rlengine/configs/grpo.toml", SMALL)
     cfg = preset(tc.model.name)
     model = Qwen3ForCausalLM(cfg, seed=0)
     est = activation_parts(cfg, 4 * 48, tc.model.dtype)

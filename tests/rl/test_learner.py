@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.learner.batching import TrainBatch, grpo_batch, pack
 from rlengine.rl.config import TrainSection
 from rlengine.rl.learner.learner import Learner, token_logprobs
-from rlengine.rl.types import RolloutGroup
+from rlengine.rl.rollout_group import RolloutGroup
 
 
 def _model(name="tiny", seed=0):

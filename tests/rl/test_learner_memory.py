@@ -15,9 +15,9 @@ from rlengine import LLM
 from rlengine.analysis.memory import reference_device_params, training_state_bytes
 from rlengine.analysis.activations import activation_parts, layer_saved
 from rlengine.analysis.memory_plan import activation_bytes
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.rl.config import load_config
+from rlengine.rl.config import load_job_config
 from rlengine.rl.config import TrainSection
 from rlengine.rl.learner.batching import grpo_batch
 from rlengine.rl.learner.learner import Learner, token_logprobs
@@ -123,7 +123,7 @@ def test_memory_plan_counts_checkpointing_and_the_streamed_reference():
     plans = {}
     for name, extra in (("plain", []), ("ckpt", ["--train.activation_checkpointing=true"]),
                         ("offload", ["--train.ref_offload=true"])):
-        tc = load_config("rlengine/configs/grpo.toml", base + extra)
+        tc = load_job_config("rlengine/configs/grpo.toml", base + extra)
         plans[name] = plan_for_config(tc, device_bytes=64 * 2**30, max_model_len=64, device_type="cpu")
     tokens = plans["plain"].micro_batch * 64  # micro-batch sequences x max_model_len
     assert plans["plain"].activations == activation_bytes(cfg, tokens, "float32")

@@ -14,7 +14,7 @@ bf16 max 2-5e-3, mean 6e-4).
 import pytest
 import torch
 
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model import qwen3
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import ConfigError, preset
+from rlengine.model.config import ConfigError, preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.data import rewards

@@ -18,8 +18,8 @@ import pytest
 
 import rlengine
 
-from rlengine.config import ConfigError
-from rlengine.rl.config import load_config
+from rlengine.model.config import ConfigError
+from rlengine.rl.config import load_job_config
 from rlengine.rl.data import reward_pool
 from rlengine.rl.data.reward_pool import InlineRunner, RewardPool, make_runner
 from rlengine.rl.data.rewards import RewardCall, RewardError, resolve_reward
@@ -88,7 +88,7 @@ def test_plugin_loads_by_name_and_scores(plugin):
     scorer = RewardScorer(fn, 0.0)
     assert scorer.score("7", "7") == 1.0 and scorer.score("x", "7") == 0.0
     assert scorer.component_means() == {"reward/length": 1.0}
-    cfg = load_config(None, ["--task.reward", f"{plugin}:multi"])
+    cfg = load_job_config(None, ["--task.reward", f"{plugin}:multi"])
     assert cfg.task.reward == f"{plugin}:multi"
 
 
@@ -101,7 +101,7 @@ def test_plugin_loads_by_name_and_scores(plugin):
 ])
 def test_bad_plugin_is_a_config_error_at_config_time(plugin, spec, match):
     with pytest.raises(ConfigError, match=match) as info:
-        load_config(None, ["--task.reward", spec])
+        load_job_config(None, ["--task.reward", spec])
     assert repr(spec) in str(info.value)
 
 
@@ -222,7 +222,7 @@ SMALL = ["--warmstart.steps", "5", "--train.updates", "3", "--train.prompts_per_
 def test_workers_0_and_2_train_identically(plugin, tmp_path, mode):
     runs = {}
     for workers in (0, 2):
-        cfg = load_config("grpo", SMALL + mode + ["--task.reward", f"{plugin}:first_digit", "--task.reward_workers",
+        cfg = load_job_config("grpo", SMALL + mode + ["--task.reward", f"{plugin}:first_digit", "--task.reward_workers",
                                                   str(workers), "--run.out_dir", str(tmp_path / f"w{workers}")])
         tr = Trainer(cfg)
         runs[workers] = [without_timings(r) for r in tr.run()]
@@ -233,7 +233,7 @@ def test_workers_0_and_2_train_identically(plugin, tmp_path, mode):
 
 
 def test_trainer_closes_the_pool_when_rewards_fail(plugin, tmp_path):
-    cfg = load_config("grpo", SMALL + ["--task.reward", f"{plugin}:always_raises", "--task.reward_workers", "1",
+    cfg = load_job_config("grpo", SMALL + ["--task.reward", f"{plugin}:always_raises", "--task.reward_workers", "1",
                                        "--run.out_dir", str(tmp_path / "fail")])
     tr = Trainer(cfg)
     procs = [w.proc for w in tr.rewards._workers]

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.config import TrainSection

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.rl.trainer import Trainer
 from rlengine.rl.trainer.run_dir import fresh_run_dir, holds_run
 from tests.support.short_runs import short_run_config, without_timings

@@ -10,13 +10,13 @@ import types
 import pytest
 import torch
 
-from rlengine.config import ConfigError, preset
+from rlengine.model.config import ConfigError, preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.learner.batching import grpo_batch, pack
-from rlengine.rl.config import TrainSection, load_config
+from rlengine.rl.config import TrainSection, load_job_config
 from rlengine.rl.learner.learner import Learner
 from rlengine.rl.algo.overlong import shape_overlong, soft_overlong_penalty
-from rlengine.rl.types import RolloutGroup
+from rlengine.rl.rollout_group import RolloutGroup
 from rlengine.rl.algo.schedule import lr_factor
 from rlengine.rl.trainer import Trainer
 from rlengine.rl.trainer.run_outputs import scalars, start_wandb
@@ -67,8 +67,8 @@ def test_tensorboard_missing_is_a_config_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else real(n, *a))
     with pytest.raises(ConfigError, match="pip install tensorboard"):
-        load_config("grpo", ["--run.tensorboard", "true"])
-    load_config("grpo", [])  # without it a plain job still loads
+        load_job_config("grpo", ["--run.tensorboard", "true"])
+    load_job_config("grpo", [])  # without it a plain job still loads
 
 
 def _wandb_stand_in(calls: dict) -> types.ModuleType:
@@ -109,7 +109,7 @@ def test_wandb_missing_is_a_config_error_naming_the_extra(monkeypatch, tmp_path)
     monkeypatch.delitem(sys.modules, "wandb", raising=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
     with pytest.raises(ConfigError, match=r"pip install rlengine\[wandb\]"):
-        load_config("grpo", ["--run.wandb", "true"])
+        load_job_config("grpo", ["--run.wandb", "true"])
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     with pytest.raises(ConfigError, match=r"pip install rlengine\[wandb\]"):
         start_wandb(tmp_path, project="p", config={})

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model.loader import load_pretrained
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.rl.config import TrainSection, load_config
+from rlengine.rl.config import TrainSection, load_job_config
 from rlengine.rl.distributed import Dist
 from rlengine.rl.learner.learner import Learner
 from rlengine.rl.trainer import Trainer
@@ -98,13 +98,13 @@ def test_async_checkpoint_run_resumes_as_if_never_stopped(tmp_path):
     """run.async_checkpoint: each update's save is written while the next update runs; a resume from
     update 2 continues exactly as the run that never stopped (every logged float equal)."""
     job = SMALL + ["--run.checkpoint_every", "1", "--run.async_checkpoint", "true"]
-    Trainer(load_config("rlengine/configs/grpo.toml", job + ["--train.updates", "2", "--run.out_dir",
+    Trainer(load_job_config("rlengine/configs/grpo.toml", job + ["--train.updates", "2", "--run.out_dir",
                                                             str(tmp_path / "part")])).run()
     names = sorted(p.name for p in (tmp_path / "part" / "checkpoints").iterdir())
     assert names == ["latest", "update-000001", "update-000002"]
     resumed = Trainer(resume_config(tmp_path / "part", ["--train.updates", "3"]), resume_from=tmp_path / "part")
     resumed.run()
-    full = Trainer(load_config("rlengine/configs/grpo.toml", job + ["--train.updates", "3", "--run.out_dir",
+    full = Trainer(load_job_config("rlengine/configs/grpo.toml", job + ["--train.updates", "3", "--run.out_dir",
                                                                    str(tmp_path / "full")])).run()
     rows = [json.loads(ln) for ln in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert [r["update"] for r in rows] == [0, 1, 2, 3]

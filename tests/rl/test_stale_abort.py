@@ -4,7 +4,7 @@ as soon as the weights move on, its KV blocks come back, and B_gen stays in flig
 import pytest
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.rollout.collector import CollectStats, PrioritySampler, RolloutCollector

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rlengine.cli import main
-from rlengine.config import ConfigError
-from rlengine.rl.config import load_config
+from rlengine.model.config import ConfigError
+from rlengine.rl.config import load_job_config
 from rlengine.rl.data.rewards import RewardError, register_reward
 from rlengine.rl.data.tasks import DatasetError, build_task, read_jsonl
 from rlengine.rl.trainer import Trainer
@@ -53,7 +53,7 @@ def test_reward_function_that_raises_is_counted_and_run_continues(tmp_path):
 
 
 def test_ppo_runs_with_critic_warmup(tmp_path):
-    cfg = load_config("rlengine/configs/ppo.toml", SHORT_RUN[:-4] + ["--run.progress", "false", "--train.group_size",
+    cfg = load_job_config("rlengine/configs/ppo.toml", SHORT_RUN[:-4] + ["--run.progress", "false", "--train.group_size",
                       "1", "--train.critic_warmup", "2", "--run.out_dir", str(tmp_path / "ppo")])
     history = Trainer(cfg).run()
     steps = [r for r in history if r["update"] > 0]
@@ -74,7 +74,7 @@ def test_ppo_runs_with_critic_warmup(tmp_path):
 ])
 def test_bad_config_is_a_clear_error(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        load_config("rlengine/configs/grpo.toml", overrides)
+        load_job_config("rlengine/configs/grpo.toml", overrides)
 
 
 def test_malformed_jsonl_names_the_line(tmp_path):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlengine.cli import main
-from rlengine.config import ConfigError
-from rlengine.rl.config import load_config
+from rlengine.model.config import ConfigError
+from rlengine.rl.config import load_job_config
 from rlengine.rl.trainer.run_dir import resume_config
 from rlengine.rl.data.tasks import DatasetError
 from rlengine.rl.trainer import Trainer
@@ -22,7 +22,7 @@ SMALL = ["--warmstart.steps", "30", "--train.updates", "2", "--train.prompts_per
 
 
 def _cfg(tmp_path, name, extra=(), config="rlengine/configs/grpo.toml"):
-    return load_config(config, SMALL + ["--run.out_dir", str(tmp_path / name), *extra])
+    return load_job_config(config, SMALL + ["--run.out_dir", str(tmp_path / name), *extra])
 
 
 def _weights(module):
@@ -66,7 +66,7 @@ def test_ppo_with_groups_trains_on_every_response_and_counts_them(tmp_path):
 
 def test_grpo_with_one_response_per_prompt_is_rejected():
     with pytest.raises(ConfigError, match="train.group_size"):
-        load_config("rlengine/configs/grpo.toml", ["--train.group_size", "1"])
+        load_job_config("rlengine/configs/grpo.toml", ["--train.group_size", "1"])
 
 
 def test_resume_reads_the_given_directory_and_rejects_meaning_changing_overrides(tmp_path, capsys):

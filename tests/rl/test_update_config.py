@@ -5,8 +5,8 @@ run with epochs x mini-batches counting each response once in N (and one weight 
 import pytest
 
 from rlengine.cli import main
-from rlengine.config import ConfigError
-from rlengine.rl.config import load_config
+from rlengine.model.config import ConfigError
+from rlengine.rl.config import load_job_config
 from rlengine.rl.trainer import Trainer
 from rlengine.tune import TuneSpec
 from rlengine.tune.report import to_toml
@@ -32,38 +32,38 @@ GRPO = "rlengine/configs/grpo.toml"
 ])
 def test_bad_update_options_name_their_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        load_config(GRPO, override)
+        load_job_config(GRPO, override)
 
 
 def test_options_that_need_another_setting():
     with pytest.raises(ConfigError, match="train.adv_whiten"):
-        load_config("rlengine/configs/ppo.toml", ["--train.adv_whiten", "batch"])
+        load_job_config("rlengine/configs/ppo.toml", ["--train.adv_whiten", "batch"])
     with pytest.raises(ConfigError, match="train.kl_in_reward"):
-        load_config(GRPO, ["--train.kl_in_reward=true", "--train.credit", "token"])
+        load_job_config(GRPO, ["--train.kl_in_reward=true", "--train.credit", "token"])
 
 
 def test_defaults_and_the_dr_grpo_length():
-    t = load_config(GRPO).train
+    t = load_job_config(GRPO).train
     assert (t.ppo_epochs, t.mini_batches, t.kl_estimator, t.kl_in_reward, t.clip_ratio_c, t.adv_whiten,
             t.rollout_is, t.activation_checkpointing, t.ref_offload) == (1, 1, "k3", False, None, "none", "none",
                                                                           False, False)
-    cfg = load_config(GRPO, ["--train.agg", "seq-mean-token-sum-norm", "--gen.max_tokens", "12"])
+    cfg = load_job_config(GRPO, ["--train.agg", "seq-mean-token-sum-norm", "--gen.max_tokens", "12"])
     assert cfg.train.loss_norm_len == 12
-    cfg = load_config(GRPO, ["--train.agg", "seq-mean-token-sum-norm", "--train.loss_norm_len", "40"])
+    cfg = load_job_config(GRPO, ["--train.agg", "seq-mean-token-sum-norm", "--train.loss_norm_len", "40"])
     assert cfg.train.loss_norm_len == 40
     # TOML has no null: an unset clip_ratio_c is left out of a written config and reads back as None
-    cfg = load_config(GRPO)
+    cfg = load_job_config(GRPO)
     assert "clip_ratio_c" not in to_toml(cfg.to_dict())
-    set_c = load_config(GRPO, ["--train.clip_ratio_c", "3"])
+    set_c = load_job_config(GRPO, ["--train.clip_ratio_c", "3"])
     assert "clip_ratio_c = 3.0" in to_toml(set_c.to_dict())
 
 
 @pytest.mark.parametrize("key", ["ppo_epochs", "mini_batches"])
 def test_tune_refuses_more_than_one_update_per_batch(key, tmp_path, capsys):
-    job = load_config(GRPO, [f"--train.{key}", "2"]).to_dict()
+    job = load_job_config(GRPO, [f"--train.{key}", "2"]).to_dict()
     with pytest.raises(ValueError, match=f"train.{key} = 2.*ONE optimizer update per rollout batch"):
         TuneSpec(job=job, target_j=0.5, b_train=(8, 16))
-    TuneSpec(job=load_config(GRPO).to_dict(), target_j=0.5, b_train=(8, 16))  # the default job is accepted
+    TuneSpec(job=load_job_config(GRPO).to_dict(), target_j=0.5, b_train=(8, 16))  # the default job is accepted
     toml = tmp_path / "job.toml"
     toml.write_text(to_toml(job))
     assert main(["tune", "--config", str(toml), "--target-j", "0.5", "--out", str(tmp_path / "t")]) == 2

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlengine import LLM
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.algo.losses import kl_k3
 from rlengine.rl.config import TrainSection

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.algo.value import explained_variance, explained_variance_sums
-from rlengine.rl.config import TrainSection, load_config
+from rlengine.rl.config import TrainSection, load_job_config
 from rlengine.rl.data.tasks import Problem, Task
 from rlengine.rl.distributed import Dist
 from rlengine.rl.learner.batching import pack
@@ -145,7 +145,7 @@ def test_every_row_has_the_verl_keys_and_consistent_timings(tmp_path):
 
 
 def test_critic_only_rows_log_no_actor_terms(tmp_path):
-    cfg = load_config("rlengine/configs/ppo.toml", SHORT_RUN + [
+    cfg = load_job_config("rlengine/configs/ppo.toml", SHORT_RUN + [
         "--train.group_size", "1", "--train.critic_warmup", "2", "--train.updates", "3", "--run.out_dir",
         str(tmp_path / "ppo")])
     steps = Trainer(cfg).run()[1:]

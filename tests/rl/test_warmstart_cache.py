@@ -3,7 +3,7 @@ that trains it, and the key changes with what the warm start depends on, not wit
 
 import torch
 
-from rlengine.rl.config import load_config
+from rlengine.rl.config import load_job_config
 from rlengine.rl.data.warmstart import warmstart_key
 from rlengine.rl.trainer import Trainer
 
@@ -15,7 +15,7 @@ MACHINE = ("t_", "timing_s/", "perf/", "b_act_", "q")
 
 
 def _run(tmp_path, name, extra=()):
-    cfg = load_config("rlengine/configs/grpo.toml", SMALL + ["--run.out_dir", str(tmp_path / name), *extra])
+    cfg = load_job_config("rlengine/configs/grpo.toml", SMALL + ["--run.out_dir", str(tmp_path / name), *extra])
     trainer = Trainer(cfg)
     start = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     trainer.run()
@@ -37,15 +37,15 @@ def test_cached_warmstart_is_the_same_bits(tmp_path):
         assert all(torch.equal(a_end[k], other[k]) for k in a_end)       # and what RL made of them
     assert a_rec == b_rec == c_rec and len(a_rec) == 3
     # the warm start did change the weights (a cache of the initial weights would pass the above too)
-    cold = Trainer(load_config("rlengine/configs/grpo.toml", SMALL + ["--warmstart.steps", "0", "--run.out_dir",
+    cold = Trainer(load_job_config("rlengine/configs/grpo.toml", SMALL + ["--warmstart.steps", "0", "--run.out_dir",
                                                                       str(tmp_path / "cold")]))
     assert any(not torch.equal(v, a_start[k]) for k, v in cold.model.state_dict().items())
-    cfg = load_config("rlengine/configs/grpo.toml", SMALL)
+    cfg = load_job_config("rlengine/configs/grpo.toml", SMALL)
     key = warmstart_key(cfg.to_dict(), threads=1, device="cpu")
-    same = load_config("rlengine/configs/grpo.toml", SMALL + ["--train.lr", "7e-4", "--gen.b_gen", "16",
+    same = load_job_config("rlengine/configs/grpo.toml", SMALL + ["--train.lr", "7e-4", "--gen.b_gen", "16",
                                                               "--train.group_size", "8", "--run.out_dir", "x"])
     assert warmstart_key(same.to_dict(), threads=1, device="cpu") == key
     for change in (["--warmstart.lr", "2e-3"], ["--run.seed", "1"], ["--task.num_train", "40"]):
-        other = load_config("rlengine/configs/grpo.toml", SMALL + change)
+        other = load_job_config("rlengine/configs/grpo.toml", SMALL + change)
         assert warmstart_key(other.to_dict(), threads=1, device="cpu") != key, change
     assert warmstart_key(cfg.to_dict(), threads=2, device="cpu") != key

@@ -13,7 +13,7 @@ import torch
 from rlengine import LLM, SamplingParams
 from rlengine.rl.learner.batching import grpo_batch
 from rlengine.rl.learner.learner import token_logprobs
-from rlengine.rl.types import RolloutGroup
+from rlengine.rl.rollout_group import RolloutGroup
 
 MAX_LOW, MEAN_LOW = 2 ** -6, 2 ** -9  # 2 layers (the tiny presets)
 

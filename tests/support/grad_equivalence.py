@@ -13,7 +13,7 @@ import torch
 torch.set_num_threads(1)
 
 from rlengine import LLM, SamplingParams  # noqa: E402
-from rlengine.config import ConfigError, preset  # noqa: E402
+from rlengine.model.config import ConfigError, preset  # noqa: E402
 from rlengine.model.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from rlengine.rl.learner.batching import pack  # noqa: E402
 from rlengine.rl.config import TrainSection  # noqa: E402

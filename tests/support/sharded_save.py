@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 from safetensors.torch import save_file  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from rlengine.config import preset  # noqa: E402
+from rlengine.model.config import preset  # noqa: E402
 from rlengine.model.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from rlengine.rl.config import TrainSection  # noqa: E402
 from rlengine.rl.distributed import init_from_env  # noqa: E402

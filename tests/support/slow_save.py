@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 import rlengine.rl.trainer.checkpoint as checkpoint  # noqa: E402
 import rlengine.rl.trainer.sharded as sharded  # noqa: E402
-from rlengine.rl.config import load_config  # noqa: E402
+from rlengine.rl.config import load_job_config  # noqa: E402
 from rlengine.rl.trainer import Trainer  # noqa: E402
 
 SLEEP_S, TIMEOUT_S = 8.0, 4
@@ -43,7 +43,7 @@ def main(out_json: Path):
     for case, extra in (("ddp", ["--train.updates", "1"]),  # the final save only
                         ("fsdp-async", ["--train.updates", "2", "--run.checkpoint_every", "1", "--train.parallel",
                                         "fsdp", "--run.async_checkpoint", "true"])):  # update 2 runs under a save
-        tr = Trainer(load_config("rlengine/configs/grpo.toml", SMALL + extra + ["--run.out_dir", str(out / case)]))
+        tr = Trainer(load_job_config("rlengine/configs/grpo.toml", SMALL + extra + ["--run.out_dir", str(out / case)]))
         tr.run()
         if tr.dist.is_main:
             result[case] = sorted(p.name for p in (out / case / "checkpoints").iterdir())

@@ -25,7 +25,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from rlengine.config import ModelConfig
+from rlengine.model.config import ModelConfig
 from rlengine.model.loader import load_pretrained, save_pretrained
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 

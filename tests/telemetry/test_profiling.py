@@ -97,7 +97,7 @@ def test_null_profiler_and_bad_windows():
 
 
 def _engine_outputs(nv=None):
-    from rlengine.config import preset
+    from rlengine.model.config import preset
     from rlengine.engine import LLM, SamplingParams
     from rlengine.model.qwen3 import Qwen3ForCausalLM
 
@@ -122,7 +122,7 @@ def test_learner_update_emits_its_phase_ranges():
     from rlengine.rl.learner.batching import grpo_batch
     from rlengine.rl.config import TrainSection
     from rlengine.rl.learner.learner import Learner
-    from rlengine.rl.types import RolloutGroup
+    from rlengine.rl.rollout_group import RolloutGroup
 
     llm, outs = _engine_outputs()
     learner = Learner(llm.model, TrainSection(prompts_per_step=2, group_size=2, lr=1e-9))
@@ -137,10 +137,10 @@ def test_learner_update_emits_its_phase_ranges():
 
 
 def test_train_profile_writes_a_trace(tmp_path):
-    from rlengine.rl.config import load_config
+    from rlengine.rl.config import load_job_config
     from rlengine.rl.trainer import Trainer
 
-    cfg = load_config("rlengine/configs/grpo.toml", [
+    cfg = load_job_config("rlengine/configs/grpo.toml", [
         "--warmstart.steps", "2", "--train.updates", "2", "--train.prompts_per_step", "2", "--train.group_size", "2",
         "--eval.every", "2", "--task.num_eval", "4", "--task.num_train", "8", "--run.progress", "false",
         "--run.out_dir", str(tmp_path / "run")])

@@ -113,11 +113,11 @@ def test_tools_plots_script_names_a_jsonl_input(tmp_path):
 
 
 def test_run_name_labels_the_run_and_names_its_default_directory(tmp_path):
-    from rlengine.config import ConfigError
-    from rlengine.rl.config import load_config
+    from rlengine.model.config import ConfigError
+    from rlengine.rl.config import load_job_config
 
-    assert load_config(None, ["--run.name", "plotdemo"]).run.out_dir == "runs/plotdemo"
-    cfg = load_config(None, ["--run.name", "a", "--run.out_dir", str(tmp_path / "elsewhere")])
+    assert load_job_config(None, ["--run.name", "plotdemo"]).run.out_dir == "runs/plotdemo"
+    cfg = load_job_config(None, ["--run.name", "a", "--run.out_dir", str(tmp_path / "elsewhere")])
     assert cfg.run.out_dir == str(tmp_path / "elsewhere")  # a named out_dir wins
     with pytest.raises(ConfigError, match="run.name"):
-        load_config(None, ["--run.name", "a/b"])
+        load_job_config(None, ["--run.name", "a/b"])

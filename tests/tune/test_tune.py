@@ -15,16 +15,16 @@ import pytest
 
 from rlengine.analysis.accounting import best_q_over_r, first_crossing, time_to_target, value_at, TargetRun
 from rlengine.cli import main
-from rlengine.config import ConfigError
-from rlengine.rl.config import TrainConfig, load_config
+from rlengine.model.config import ConfigError
+from rlengine.rl.config import TrainConfig, load_job_config
 from rlengine.tune import TuneSpec, build_rows, choose_row, read_run, report_runs, tune
 from rlengine.tune.curves import curve_from_records
 from rlengine.tune.runner import plan_config
 from rlengine.tune.stage1 import plan_stage1
 from rlengine.tune.stage2 import kv_limit, window_point
-from rlengine.tune.types import EngineFacts
+from rlengine.tune.stage_records import EngineFacts
 
-JOB = load_config("rlengine/configs/grpo.toml").to_dict()   # G = 16, B_train 128, lr 1.5e-3
+JOB = load_job_config("rlengine/configs/grpo.toml").to_dict()   # G = 16, B_train 128, lr 1.5e-3
 TARGET = 0.55
 D0, D1, GAMMA = 0.2, 0.001, 0.002
 SCALE = {64: 8000.0, 128: 8000.0, 256: 9000.0, 512: 16000.0}  # S(B): N* = 0.45 * S(B)
@@ -196,7 +196,7 @@ def test_kv_limit_binds_the_ladder(tmp_path):
 
 def test_ratios_are_paired_over_seeds_where_both_reached():
     """A seed that is hard for every batch: unpaired means would mix it into r_N, paired ratios do not."""
-    from rlengine.tune.types import CandidateStats, TargetHit
+    from rlengine.tune.stage_records import CandidateStats, TargetHit
 
     def cand(label, b, n_by_seed):
         hits = tuple(TargetHit(reached=n is not None, n_star=n, t_star=n and n / 1000, k_star=n and n / b)
@@ -226,7 +226,7 @@ TINY = ["--warmstart.steps", "5", "--task.num_eval", "8", "--task.num_train", "5
 
 def test_real_tiny_sweep_report_resume_and_cli(tmp_path):
     """Real Trainer runs (seconds): the report's structure, resume reusing finished runs, `rlengine report`."""
-    job = load_config("rlengine/configs/grpo.toml", TINY).to_dict()
+    job = load_job_config("rlengine/configs/grpo.toml", TINY).to_dict()
     s = TuneSpec(job=job, target_j=0.99, b_train=(8, 16), seeds=(0,), fixed_lr=True, confirm_seeds=0,
                  probe_updates=3, probe_skip=1)
     result = tune(s, tmp_path, log=lambda x: None)
@@ -290,9 +290,9 @@ def test_workers_run_plans_side_by_side_as_in_process(tmp_path):
     runner gives (same J, N and grad norms: training is deterministic given config and seed);
     a worker that fails names its log; a spent budget starts nothing."""
     from rlengine.tune.runner import TrainerRunner, parse_workers
-    from rlengine.tune.types import RunPlan
+    from rlengine.tune.stage_records import RunPlan
 
-    job = load_config("rlengine/configs/grpo.toml", TINY).to_dict()
+    job = load_job_config("rlengine/configs/grpo.toml", TINY).to_dict()
     plans = [RunPlan(name=f"w-s{seed}", stage="stage1", label="8", seed=seed, target_j=None,
                      overrides=(("train.b_train", 8), ("train.updates", 3), ("eval.every_responses", 8)))
              for seed in (0, 1)]

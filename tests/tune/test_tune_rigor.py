@@ -11,14 +11,14 @@ import tomllib
 import pytest
 
 from rlengine.cli import build_parser, main
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.tune import TuneSpec, tune
 from rlengine.tune.ladder import implied_max_lag, probe_order, probe_window, run_ladder, stop_after
 from rlengine.tune.predict import predict_knee
 from rlengine.tune.retune import censored_mean_n, censored_r_n
 from rlengine.tune.runner import plan_config
 from rlengine.tune.stats import isotonic, monotone_crossing, paired_log_ratio, t975
-from rlengine.tune.types import CandidateStats, RunCurve, RunPlan, TargetHit
+from rlengine.tune.stage_records import CandidateStats, RunCurve, RunPlan, TargetHit
 from tests.tune.test_tune import D0, D1, GAMMA, JOB, TARGET, spec, synthetic_runner
 
 
@@ -243,10 +243,10 @@ def test_predict_knee_with_measured_step_costs_by_hand():
 
 def test_measured_step_costs_fit_the_two_decode_batches():
     """d0 + d1 B passes through both measured step times; the learner's time per response is positive."""
-    from rlengine.rl.config import load_config
+    from rlengine.rl.config import load_job_config
     from rlengine.tune.step_costs import measure_step_costs
 
-    job = load_config("rlengine/configs/grpo_long.toml").to_dict()
+    job = load_job_config("rlengine/configs/grpo_long.toml").to_dict()
     c = measure_step_costs(job, batches=(4, 16), steps=4)
     small, large = c.step_s
     assert c.d0 + c.d1 * 4 == pytest.approx(small) or c.d1 == 0.0
@@ -331,7 +331,7 @@ def test_confirmation_order_per_seed_and_sign_test():
 
     from rlengine.tune.report_md import confirm_markdown
     from rlengine.tune.stats import faster_per_seed, sign_test_p
-    from rlengine.tune.types import Confirmation
+    from rlengine.tune.stage_records import Confirmation
 
     t_c, t_d = [1.0, None, 2.0, None, 3.0, 9.0], [2.0, None, None, 3.0, 2.0, None]
     order = faster_per_seed(t_c, t_d, end_c=[1, 5, 2, 6, 3, 9], end_d=[2, 7, 8, 3, 2, 4])

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from rlengine.config import ModelConfig, preset
+from rlengine.model.config import ModelConfig, preset
 
 MODELS = ("qwen3-0.6b", "qwen3-30b-a3b", "llama-3-8b")
 HALF = (torch.bfloat16, torch.float16)

@@ -21,11 +21,11 @@ import torch
 
 from rlengine import LLM, SamplingParams
 from rlengine.benchmarks.harness import report
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.learner.batching import grpo_batch
 from rlengine.rl.learner.logprobs import token_logprobs
-from rlengine.rl.types import RolloutGroup
+from rlengine.rl.rollout_group import RolloutGroup
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLUMNS = ["model", "dtype", "phase", "B", "default_ms", "invariant_ms", "ratio"]

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from rlengine import LLM, SamplingParams
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.engine.model_runner import StepOutput
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 

@@ -20,13 +20,13 @@ import argparse
 
 import torch
 
-from rlengine.config import preset
+from rlengine.model.config import preset
 from rlengine.model.attention import PackedCausal
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.learner.batching import grpo_batch
 from rlengine.rl.config import TrainSection
 from rlengine.rl.learner.learner import Learner
-from rlengine.rl.types import RolloutGroup
+from rlengine.rl.rollout_group import RolloutGroup
 
 from rlengine.benchmarks.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report,
                                          selected_providers, sweep_cases)

@@ -20,7 +20,7 @@ import torch
 
 from rlengine.benchmarks.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report,
                                          selected_providers, sweep_cases)
-from rlengine import _ext
+from rlengine.model import ext as _ext
 from rlengine.kernels import paged_decode as pd
 
 H, HKV, D, P = 16, 8, 128, 16

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import rlengine.model.qwen3 as qwen3
 from rlengine.model import ops
 from rlengine import LLM, SamplingParams, _ext
-from rlengine.config import preset
+from rlengine.model.config import preset
 
 from rlengine.benchmarks.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report,
                                          selected_providers, sweep_cases)

@@ -26,11 +26,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlengine import _ext
+from rlengine.model import ext as _ext
 from rlengine.engine.attention.cascade import CascadePlan, plan_cascade
 from rlengine.engine.kv_cache import KVCache
 from rlengine.model.attention import PackedCausal
-from rlengine.types import ForwardBatch
+from rlengine.engine.forward_batch import ForwardBatch
 
 _CPP_STORE = _ext.has_op("store_kvcache")
 _CUDA_STORE = _ext.has_cuda_op("store_kvcache")

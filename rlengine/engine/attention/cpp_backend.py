@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlengine import _ext
+from rlengine.model import ext as _ext
 from rlengine.engine.attention.base import AttentionBackend
 
 

@@ -17,7 +17,7 @@ used it); the shaped value replaces RolloutGroup.rewards, which advantages are c
 
 from __future__ import annotations
 
-from rlengine.rl.types import RolloutGroup
+from rlengine.rl.rollout_group import RolloutGroup
 
 
 def soft_overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:

@@ -12,7 +12,7 @@ import tomllib
 import typing
 from pathlib import Path
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.rl.config.sections import _SECTION_TYPES, TrainConfig, _check
 from rlengine.rl.config.values import parse_value
 
@@ -33,7 +33,7 @@ def packaged_config(path: str | Path) -> Path:
     return shipped
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+def load_job_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict | None = None) -> TrainConfig:
     """TOML file (or a `base` dict, e.g. a run's saved config) + dotted overrides
     ["--train.b_train", "256", "--gen.b_gen=512", ...]."""
@@ -69,3 +69,6 @@ def split_overrides(args: list[str]) -> list[tuple[str, str]]:
         pairs.append((key, value))
         i += 1
     return pairs
+
+
+load_config = load_job_config  # the name before load_job_config; kept for old imports

@@ -14,7 +14,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.rl.config.update_options import AGGREGATIONS, UpdateOptions
 from rlengine.rl.config.values import typed
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")

@@ -1,7 +1,7 @@
 """Typed config values: how a TOML / JSON / command-line value becomes its field's declared type.
 
 sections.py's dataclasses declare their fields' types; from_dict runs every value through `typed`
-before the section's __post_init__ checks ranges, and load_config parses override text with
+before the section's __post_init__ checks ranges, and load_job_config parses override text with
 `parse_value`. The rules: a bool is not an int, an int is accepted for a float (finite only), a
 list becomes a tuple for tuple fields, a field declared str keeps its text as typed
 (--run.out_dir 2024 is "2024"), and any other mismatch is a ConfigError naming `section.field`
@@ -15,7 +15,7 @@ import tomllib
 import types
 import typing
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 
 
 def parse_value(text: str, declared=None):

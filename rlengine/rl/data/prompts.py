@@ -12,7 +12,7 @@ Encodings are cached per prompt text (a GRPO job encodes the same prompts again 
 
 from __future__ import annotations
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.data.tasks import Task
 

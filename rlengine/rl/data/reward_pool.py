@@ -22,7 +22,7 @@ import time
 from collections import deque
 from multiprocessing.connection import wait as wait_connections
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.rl.data.rewards import (RewardCall, RewardFn, RewardOutcome, _takes_four, call_reward, importable_spec,
                                       resolve_reward)
 

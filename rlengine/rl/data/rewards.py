@@ -30,7 +30,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 
 RewardFn = Callable[..., Any]   # fn(completion, answer[, prompt, extra]) -> float | {"score": float, ...}
 REWARDS: dict[str, RewardFn] = {}

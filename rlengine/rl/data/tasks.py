@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.rl.data.rewards import RewardFn, get_reward, resolve_reward
 
 

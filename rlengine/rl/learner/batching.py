@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rlengine.rl.algo.advantages import grpo_advantages, grpo_token_advantages
-from rlengine.rl.types import RolloutGroup
+from rlengine.rl.rollout_group import RolloutGroup
 
 
 @dataclass(slots=True, kw_only=True)

@@ -29,7 +29,7 @@ from typing import Callable
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.distributed import Dist
-from rlengine.rl.types import RolloutGroup
+from rlengine.rl.rollout_group import RolloutGroup
 from rlengine.rl.data.reward_pool import InlineRunner
 from rlengine.rl.data.rewards import RewardCall
 from rlengine.rl.data.scoring import RewardScorer

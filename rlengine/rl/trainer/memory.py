@@ -26,9 +26,9 @@ import torch
 
 from rlengine.analysis.activations import activation_parts
 from rlengine.analysis.memory_plan import GiB, MemoryPlan, plan_memory, sampler_bytes
-from rlengine.config import ModelConfig, preset
+from rlengine.model.config import ModelConfig, preset
 from rlengine.model.factory import tokenizer_for
-from rlengine.model.loader import load_config
+from rlengine.model.loader import load_model_config
 from rlengine.rl.data.tasks import build_task
 
 CPU_PROCESS_BYTES = 3 * GiB // 2      # interpreter, torch, the extensions, allocator slack (1-1.5 GB measured)
@@ -46,7 +46,7 @@ class JobShape:
 
 
 def model_config(name: str) -> ModelConfig:
-    return load_config(name) if Path(name).is_dir() else preset(name)
+    return load_model_config(name) if Path(name).is_dir() else preset(name)
 
 
 def job_shape(tc) -> JobShape:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.factory import build_model, default_device, tokenizer_for
 from rlengine.model.moe import triton_available

@@ -21,7 +21,7 @@ import torch
 from rlengine.rl.distributed import Dist
 from rlengine.rl.rollout.collector import CollectStats
 from rlengine.rl.trainer.verl_metrics import verl_fields
-from rlengine.rl.types import RolloutGroup
+from rlengine.rl.rollout_group import RolloutGroup
 from rlengine.telemetry.records import BoundaryRecord, build_boundary_record
 
 

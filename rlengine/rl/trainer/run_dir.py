@@ -11,8 +11,8 @@ import json
 import shutil
 from pathlib import Path
 
-from rlengine.config import ConfigError
-from rlengine.rl.config import TrainConfig, load_config, split_overrides
+from rlengine.model.config import ConfigError
+from rlengine.rl.config import TrainConfig, load_job_config, split_overrides
 from rlengine.rl.trainer.checkpoint import latest_checkpoint
 
 
@@ -54,7 +54,7 @@ def resume_config(run_dir: str | Path, overrides: list[str] | None = None) -> Tr
     _check(isinstance(base, dict), f"--resume {run_dir}: {saved} is not a config object")
     _check(isinstance(base.setdefault("run", {}), dict), f"--resume {run_dir}: {saved} has no [run] table")
     base["run"]["out_dir"] = str(run_dir)
-    return load_config(None, overrides, base=base)
+    return load_job_config(None, overrides, base=base)
 
 
 def keep_metrics_through(resume_dir: Path, run_dir: Path, update: int, cfg: TrainConfig, outputs, dist) -> list[dict]:

@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from rlengine.config import ConfigError
+from rlengine.model.config import ConfigError
 
 
 def scalars(record: dict) -> dict[str, float]:

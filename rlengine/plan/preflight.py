@@ -1,6 +1,6 @@
 """Checks that a job can run on this machine, before anything is built or any rank is started.
 
-The command line (rlengine/cli.py) and the installed benchmarks call these with what the user
+The command line (rlengine/cli/commands.py) and the installed benchmarks call these with what the user
 typed: the device, the attention backend, the model (a preset, or a checkpoint directory with a
 config.json), and for a training job its task (every data row, the reward) and prompt lengths.
 Each failure is a ConfigError (or the loader's CheckpointError) naming the option and the fix,
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rlengine.config import PRESETS, ConfigError, ModelConfig, preset
+from rlengine.model.config import PRESETS, ConfigError, ModelConfig, preset
 
 
 def check_device(device: str | None, what: str) -> torch.device:
@@ -52,9 +52,9 @@ def check_model(name: str, what: str) -> ModelConfig:
     the preset or file otherwise (a checkpoint's config.json and that its weight files exist: the
     tensors themselves are checked when loaded)."""
     if Path(name).is_dir():
-        from rlengine.model.loader import _weight_files, load_config
+        from rlengine.model.loader import _weight_files, load_model_config
 
-        cfg = load_config(name)
+        cfg = load_model_config(name)
         _weight_files(Path(name))  # the loader's own file discovery: a missing shard or safetensors file
         return cfg
     if name in PRESETS:

@@ -23,7 +23,7 @@ CUDA_OPS = ("store_kvcache",)
 
 
 def _read_build_status() -> dict:
-    path = Path(__file__).with_name("_build_status.json")
+    path = Path(__file__).parents[1] / "_build_status.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

@@ -8,11 +8,11 @@ from __future__ import annotations
 def cmd_info(args) -> int:
     import torch
 
-    from rlengine import _ext
-    from rlengine.config import PRESETS, preset
+    from rlengine.model import ext as _ext
+    from rlengine.model.config import PRESETS, preset
 
     if args.overrides and not args.plan:
-        from rlengine.config import ConfigError
+        from rlengine.model.config import ConfigError
 
         raise ConfigError(f"{args.overrides[0]}: config overrides need --plan CONFIG (they change that config)")
     if args.kernels:  # the CPU kernel choices of a model's decode shapes (model/kernel_choice.py)
@@ -21,14 +21,14 @@ def cmd_info(args) -> int:
         return kernels_info(args.kernels, args.kernels_dtype, args.cpu_kernels, args.save)
     if args.plan:  # the per-device memory plan of a training config, and its B_KV
         from rlengine.analysis.memory_plan import GiB
-        from rlengine.config import ConfigError
-        from rlengine.preflight import check_model
-        from rlengine.rl.config import load_config
+        from rlengine.model.config import ConfigError
+        from rlengine.plan.preflight import check_model
+        from rlengine.rl.config import load_job_config
         from rlengine.rl.trainer.memory import device_memory, job_shape, plan_job, sequences_per_rank
 
         if args.device_memory is not None and not args.device_memory > 0:
             raise ConfigError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
-        cfg = load_config(args.plan, args.overrides)  # gsm8k: --model.name DIR
+        cfg = load_job_config(args.plan, args.overrides)  # gsm8k: --model.name DIR
         check_model(cfg.model.name, "model.name")
         mem, source = (int(args.device_memory * GiB), "--device-memory") if args.device_memory else device_memory()
         cuda = args.device_memory is not None or torch.cuda.is_available()

@@ -11,9 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-from rlengine.cli_info import cmd_info as _cmd_info
-from rlengine.cli_tune import cmd_report as _cmd_report
-from rlengine.cli_tune import cmd_tune as _cmd_tune
+from rlengine.cli.info import cmd_info as _cmd_info
+from rlengine.cli.tune import cmd_report as _cmd_report
+from rlengine.cli.tune import cmd_tune as _cmd_tune
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -30,10 +30,10 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_demo(args) -> int:
-    from rlengine.config import ConfigError
-    from rlengine.demo import run_demo
+    from rlengine.model.config import ConfigError
+    from rlengine.model.demo import run_demo
     from rlengine.model.factory import tokenizer_for
-    from rlengine.preflight import check_device, check_model
+    from rlengine.plan.preflight import check_device, check_model
 
     check_device(args.device, "--device")
     check_model(args.model, "--model")
@@ -48,10 +48,10 @@ def _cmd_demo(args) -> int:
 
 def _cmd_generate(args) -> int:
     """Text in, text out through the engine (LLM.generate / LLM.chat); prints each completion's text."""
-    from rlengine.config import ConfigError
+    from rlengine.model.config import ConfigError
     from rlengine.engine import LLM, SamplingParams
     from rlengine.model.factory import has_tokenizer_files, tokenizer_for
-    from rlengine.preflight import check_device, check_model
+    from rlengine.plan.preflight import check_device, check_model
 
     check_device(args.device, "--device")
     check_model(args.model, "--model")
@@ -131,12 +131,12 @@ def _train_summary(trainer, history) -> int:
 
 def _train_config(args):
     """The config `rlengine train` would run, validated against this machine and the job's files
-    (rlengine.preflight), without building anything: every user error surfaces here."""
+    (rlengine.plan.preflight), without building anything: every user error surfaces here."""
     from importlib import resources
 
-    from rlengine.config import ConfigError
-    from rlengine.preflight import check_train_config
-    from rlengine.rl.config import load_config, split_overrides
+    from rlengine.model.config import ConfigError
+    from rlengine.plan.preflight import check_train_config
+    from rlengine.rl.config import load_job_config, split_overrides
     from rlengine.rl.trainer.run_dir import check_new_run, fresh_run_dir, resume_config
     from rlengine.telemetry.profiler import ProfileWindow
 
@@ -147,7 +147,7 @@ def _train_config(args):
     if args.resume:
         cfg = resume_config(args.resume, args.overrides)
     else:
-        cfg = load_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml"),
+        cfg = load_job_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml"),
                           args.overrides)
         if any(key == "run.out_dir" for key, _ in split_overrides(args.overrides)):
             check_new_run(Path(cfg.run.out_dir), cfg.run.overwrite)  # named by the user: never replaced silently
@@ -161,10 +161,10 @@ def _cmd_config(args) -> int:
     """`rlengine config show`: the job's every field with value, default and doc (rlengine.rl.config.show)."""
     from importlib import resources
 
-    from rlengine.rl.config import load_config
+    from rlengine.rl.config import load_job_config
     from rlengine.rl.config.show import field_rows, format_rows
 
-    cfg = load_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml"),
+    cfg = load_job_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml"),
                       args.overrides)
     print("\n".join(format_rows(field_rows(cfg))))
     print("(* = differs from the built-in defaults; override any field with --section.field VALUE)")
@@ -173,7 +173,7 @@ def _cmd_config(args) -> int:
 
 def _cmd_plot(args) -> int:
     """`rlengine plot RUN_DIR...` (rlengine.plots.runs), or one benchmark / tune JSON with --kind."""
-    from rlengine.config import ConfigError
+    from rlengine.model.config import ConfigError
     from rlengine.plots import draw
 
     try:
@@ -185,7 +185,7 @@ def _cmd_plot(args) -> int:
 
 
 def _launch(args) -> int:
-    from rlengine.cli_launch import launch
+    from rlengine.cli.launch import launch
 
     return launch(args, _train_config)
 
@@ -354,7 +354,7 @@ DEBUG_HELP = "show the traceback of a user error too (bugs always show theirs)"
 def _user_errors() -> tuple[type[Exception], ...]:
     """The exceptions that mean "the user's input is wrong" (a config value, a file, a data row, a
     checkpoint, a reward function): one line, exit code 2. Every other exception is a bug."""
-    from rlengine.config import ConfigError  # DatasetError is a ConfigError
+    from rlengine.model.config import ConfigError  # DatasetError is a ConfigError
     from rlengine.model.loader import CheckpointError
     from rlengine.rl.data.rewards import RewardError
 

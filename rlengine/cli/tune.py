@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def _int_list(text: str, what: str) -> tuple[int, ...]:
-    from rlengine.config import ConfigError
+    from rlengine.model.config import ConfigError
 
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -22,14 +22,14 @@ def cmd_tune(args) -> int:
     the Eq. 5 B_gen knee for the job on a device and starts no run."""
     from importlib import resources
 
-    from rlengine.config import ConfigError
-    from rlengine.preflight import check_train_config
-    from rlengine.rl.config import load_config
+    from rlengine.model.config import ConfigError
+    from rlengine.plan.preflight import check_train_config
+    from rlengine.rl.config import load_job_config
     from rlengine.tune import TuneSpec, tune
     from rlengine.tune.runner import parse_workers
 
     path = args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml")
-    cfg = load_config(path, args.overrides)
+    cfg = load_job_config(path, args.overrides)
     check_train_config(cfg)
     job = cfg.to_dict()
     b = job["train"]["b_train"]
@@ -91,7 +91,7 @@ def _tune_predict(job: dict, args) -> int:
 
 def cmd_report(args) -> int:
     """Table 1 and figures from existing run directories (rlengine.tune.report_runs)."""
-    from rlengine.config import ConfigError
+    from rlengine.model.config import ConfigError
     from rlengine.tune import report_runs
     from rlengine.tune.report import table_markdown, write_runs_report
 

@@ -15,7 +15,7 @@ def launch(args, train_config) -> int:
     start K ranks of the same command through torch's elastic launcher (what torchrun runs)."""
     from torch.distributed.run import get_args_parser, run
 
-    from rlengine.config import ConfigError
+    from rlengine.model.config import ConfigError
 
     args.nproc = 1 if args.nproc is None else args.nproc  # --nnodes alone: one rank per node
     if args.nproc < 1:
@@ -41,7 +41,7 @@ def launch(args, train_config) -> int:
 
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.ERROR)
-    from rlengine.rank_watch import RankWatch
+    from rlengine.cli.rank_watch import RankWatch
 
     # a stopped rank fails no collective: killed after half the collective timeout, the job ends within it
     watch = RankWatch(cfg.run.dist_timeout_s / 2)
@@ -69,7 +69,7 @@ def check_host_memory(cfg, nproc: int, world: int) -> None:
 
     import torch
 
-    from rlengine.config import ConfigError
+    from rlengine.model.config import ConfigError
 
     if torch.cuda.is_available() or cfg.model.device not in ("auto", "cpu"):
         return
