@@ -27,11 +27,12 @@ LAYERS = [
     ["rlengine.rl.algo"],
     ["rlengine.rl.data"],
     ["rlengine.rl.config"],
+    ["rlengine.plan.specs"],
     ["rlengine.rl.rollout"],
     ["rlengine.rl.learner"],
-    ["rlengine.rl.trainer", "rlengine.rl"],
     ["rlengine.plan"],
-    ["rlengine.tune", "rlengine.benchmarks"],
+    ["rlengine.rl.trainer", "rlengine.rl"],
+    ["rlengine.tune", "rlengine.benchmarks", "rlengine.serve"],
     ["rlengine.cli", "rlengine.__main__", "rlengine"],
 ]
 

@@ -46,7 +46,7 @@ On top of `saved`, the backward's transient peak (`transient`), the larger of:
 tests/analysis/test_activation_bound.py checks it on random configs of every family against
 saved-tensor accounting (saved_tensors_hooks, parameters excluded) and against the measured heap
 peak of a forward and backward on the CPU. The CUDA trainer measures the peak instead (see
-rl/trainer/memory.py), and this estimate is what a plan without a device says.
+plan/memory.py), and this estimate is what a plan without a device says.
 """
 
 from __future__ import annotations

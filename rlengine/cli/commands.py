@@ -7,6 +7,7 @@ Library code never parses argv; this file is the only place that does. Imports a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -17,7 +18,8 @@ from rlengine.cli.tune import cmd_tune as _cmd_tune
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="preset name (see `rlengine info`) or HF checkpoint directory")
+    p.add_argument("--model", default="tiny", help="preset name (see `rlengine info`), HF checkpoint directory, or "
+                   "Hugging Face hub id org/name (cached or downloaded; a preset of the same spelling wins)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
@@ -50,15 +52,14 @@ def _cmd_generate(args) -> int:
     """Text in, text out through the engine (LLM.generate / LLM.chat); prints each completion's text."""
     from rlengine.model.config import ConfigError
     from rlengine.engine import LLM, SamplingParams
-    from rlengine.model.factory import has_tokenizer_files, tokenizer_for
+    from rlengine.model.factory import tokenizer_for
     from rlengine.plan.preflight import check_device, check_model
 
     check_device(args.device, "--device")
-    check_model(args.model, "--model")
-    if args.tokenizer and not has_tokenizer_files(args.tokenizer):
-        raise ConfigError(f"--tokenizer {args.tokenizer!r}: not a directory with tokenizer files "
-                          "(tokenizer.json / tokenizer_config.json)")
-    tokenizer_for(args.tokenizer or args.model)  # without --tokenizer: the checkpoint's, or the built-in one if it fits
+    check_model(args.model, "--model", args.revision)
+    # --tokenizer: a DIR or hub id with tokenizer files that fit the model's vocabulary; else the checkpoint's own,
+    # or the built-in one if it fits
+    tokenizer_for(args.model, revision=args.revision, tokenizer=args.tokenizer, what="--tokenizer")
     if args.system is not None and not args.chat:
         raise ConfigError("--system needs --chat (a system turn is part of the chat template)")
     for flag, value in (("--max-tokens", args.max_tokens), ("--n", args.n)):
@@ -71,7 +72,7 @@ def _cmd_generate(args) -> int:
                                 max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)
     except ValueError as exc:
         raise ConfigError(f"{exc} (check --temperature / --top-p / --seed / --stop)") from None
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer, revision=args.revision)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         messages.append({"role": "user", "content": args.prompt})
@@ -98,7 +99,7 @@ def _cmd_train(args) -> int:
     # --resume: the run's own config; only overrides that keep its meaning apply (RESUME_OVERRIDABLE)
     cfg = _train_config(args)
     if os.environ.get("RANK", "0") == "0":
-        print(f"run directory: {cfg.run.out_dir}", flush=True)
+        print(f"run directory: {cfg.run_dir}", flush=True)
     trainer = Trainer(cfg, resume_from=args.resume, profile=args.profile,
                       profile_window=args.profile_window)
     history = trainer.run()
@@ -150,9 +151,11 @@ def _train_config(args):
         cfg = load_job_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml"),
                           args.overrides)
         if any(key == "run.out_dir" for key, _ in split_overrides(args.overrides)):
-            check_new_run(Path(cfg.run.out_dir), cfg.run.overwrite)  # named by the user: never replaced silently
+            check_new_run(Path(cfg.run_dir), cfg.run.overwrite)  # named by the user: never replaced silently
         elif not cfg.run.overwrite and "RANK" not in os.environ:  # ranks get the launcher's choice explicitly
-            cfg.run.out_dir = str(fresh_run_dir(cfg.run.out_dir))  # runs/default, then runs/default-1, ...
+            fresh = str(fresh_run_dir(cfg.run_dir))  # runs/default, then runs/default-1, ...
+            if fresh != cfg.run_dir:  # as if the user had named it (the config itself stays frozen)
+                cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=fresh))
     check_train_config(cfg)
     return cfg
 
@@ -239,9 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=1, help="completions to print")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="tokenizer files from DIR (default: the checkpoint's own, or the built-in one for presets)")
+                   help="tokenizer files from DIR or a hub id (default: the checkpoint's own, or the built-in one "
+                   "for presets)")
+    p.add_argument("--revision", default=None, help="with a hub id --model: the branch, tag or commit sha")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.set_defaults(func=_cmd_generate)
+
 
     p = sub.add_parser("train", help="run GRPO/PPO (default: GRPO on a built-in task with the tiny preset)",
                        description="Run an RL job. With no arguments: the embedded default (GRPO, tiny preset, "

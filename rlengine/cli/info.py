@@ -4,6 +4,8 @@ are in cli.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 
 def cmd_info(args) -> int:
     import torch
@@ -24,12 +26,13 @@ def cmd_info(args) -> int:
         from rlengine.model.config import ConfigError
         from rlengine.plan.preflight import check_model
         from rlengine.rl.config import load_job_config
-        from rlengine.rl.trainer.memory import device_memory, job_shape, plan_job, sequences_per_rank
+        from rlengine.plan.memory import device_memory, job_shape, plan_job, sequences_per_rank
+        from rlengine.plan.specs import resolve_learner, resolve_rollout
 
         if args.device_memory is not None and not args.device_memory > 0:
             raise ConfigError(f"--device-memory must be > 0 GiB, got {args.device_memory}")
         cfg = load_job_config(args.plan, args.overrides)  # gsm8k: --model.name DIR
-        check_model(cfg.model.name, "model.name")
+        check_model(cfg.model.name, "model.name", cfg.model.revision)
         mem, source = (int(args.device_memory * GiB), "--device-memory") if args.device_memory else device_memory()
         cuda = args.device_memory is not None or torch.cuda.is_available()
         plan = plan_job(cfg, job_shape(cfg), device_bytes=mem, device_type="cuda" if cuda else "cpu")
@@ -38,6 +41,11 @@ def cmd_info(args) -> int:
         if not cfg.train.micro_batch:
             print(f"  train.micro_batch = 0: micro-batches of {plan.micro_batch} sequences (of "
                   f"{sequences_per_rank(cfg)}), the largest the plan fits")
+        micro = cfg.train.micro_batch or (plan.micro_batch if plan.micro_batch < sequences_per_rank(cfg) else 0)
+        print(f"resolved specs (plan.json of a run on this device holds these with its engines'):")
+        for name, spec in (("rollout", resolve_rollout(cfg)), ("learner", resolve_learner(cfg, micro))):
+            values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "options"}
+            print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
         return 0
 
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")

@@ -27,7 +27,7 @@ def launch(args, train_config) -> int:
     check_host_memory(cfg, args.nproc, args.nproc * args.nnodes)
     argv = ["train"] + (["--config", args.config] if args.config else []) + ["--algo", args.algo]
     argv += (["--resume", args.resume] if args.resume else []) + list(args.overrides)
-    argv += [] if args.resume else ["--run.out_dir", cfg.run.out_dir]  # every rank writes where this one chose
+    argv += [] if args.resume else ["--run.out_dir", cfg.run_dir]  # every rank writes where this one chose
     argv += ["--profile", args.profile, "--profile-window", args.profile_window] if args.profile else []  # rank 0 writes
     # one node: torchrun --standalone; several: every node's launcher meets at --master-addr:port
     # (torchrun's static rendezvous, a c10d store on node 0), node ranks as given
@@ -64,7 +64,7 @@ def launch(args, train_config) -> int:
 def check_host_memory(cfg, nproc: int, world: int) -> None:
     """CPU ranks share this host: refuse, before any rank starts, a job whose per-rank memory plan
     (each of the nproc ranks gets an equal share of the available RAM) does not fit; the ranks plan
-    with the same share (rl/trainer/memory.py's RANK_MEMORY_ENV). GPU ranks each plan their own device."""
+    with the same share (plan/memory.py's RANK_MEMORY_ENV). GPU ranks each plan their own device."""
     import os
 
     import torch
@@ -73,7 +73,7 @@ def check_host_memory(cfg, nproc: int, world: int) -> None:
 
     if torch.cuda.is_available() or cfg.model.device not in ("auto", "cpu"):
         return
-    from rlengine.rl.trainer.memory import RANK_MEMORY_ENV, host_memory_per_rank, job_shape, plan_job
+    from rlengine.plan.memory import RANK_MEMORY_ENV, host_memory_per_rank, job_shape, plan_job
 
     share, _ = host_memory_per_rank(nproc, own=False)
     try:

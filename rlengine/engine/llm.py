@@ -4,6 +4,7 @@
     outs = llm.generate(prompt_token_ids, SamplingParams(n=8, temperature=1.0, max_tokens=64))
     outs[0].outputs[3].token_ids, .token_logprobs, .finish_reason;  outs.trace  # per-step records
     LLM(model=CHECKPOINT_DIR).generate(["Hello, my name is"], params)[0].outputs[0].text   # text in, text out
+    LLM("Qwen/Qwen3-0.6B", revision="main")               # a Hugging Face hub id (model/hub.py; a preset wins)
     llm.chat([{"role": "user", "content": "Hi"}], params)    # the checkpoint's chat template
 
 Prompts: list[int] token ids (the trainer's form), a str, or vLLM's {"prompt_token_ids": [...]} /
@@ -60,7 +61,8 @@ from rlengine.engine.cuda_graph import CudaGraph, DecodeGraphs, unsupported_reas
 from rlengine.engine.detokenizer import Detokenizer
 from rlengine.engine.kv_cache import KVCache, KVPool, bytes_per_block
 from rlengine.engine.llm_args import (DEFAULT_CPU_KV_BYTES, _as_dtype, _build_model, _check_vllm_args,
-                                     _progress_bar, _tokenizer, batch_invariant_backend, default_num_blocks)
+                                     _progress_bar, _resolve, _tokenizer, batch_invariant_backend,
+                                     default_num_blocks)
 from rlengine.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
 from rlengine.engine.outputs import GenerateResult, Logprob, RequestOutput, RequestState
 from rlengine.engine.prompts import Prompt, chat_prompts, parse_prompt, prompt_list
@@ -99,8 +101,9 @@ class LLM:
                  cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, cpu_kernels: str = "cache", batch_invariant: bool = False,
-                 shared_prefix_decode: bool | None = None):
+                 shared_prefix_decode: bool | None = None, revision: str | None = None):
         _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization)
+        model = _resolve(model, revision)  # a hub id -> its cached snapshot directory (model/hub.py)
         if gpu_memory_utilization is not None and (num_kv_blocks is not None or kv_cache_memory is not None
                                                    or kv_pool is not None):
             raise ValueError("gpu_memory_utilization sizes the KV pool; drop num_kv_blocks / kv_cache_memory / "

@@ -1,4 +1,5 @@
-"""LLM's construction arguments resolved: the model (a checkpoint, a preset or a live module), its dtype
+"""LLM's construction arguments resolved: the model (a preset, a checkpoint directory, a Hugging Face hub id at a
+revision, or a live module), its dtype
 ("auto" as vLLM spells it), its tokenizer, the vLLM arguments rlengine can honour, and generate's
 progress bar. llm.py keeps the engine itself (requests, steps, outputs).
 """
@@ -11,7 +12,8 @@ from pathlib import Path
 import torch
 
 from rlengine.model.config import DTYPES
-from rlengine.model.factory import build_model, has_tokenizer_files, tokenizer_for
+from rlengine.model.factory import build_model, has_tokenizer_files, tokenizer_for, tokenizer_from
+from rlengine.model.hub import resolve_model
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 
@@ -35,6 +37,16 @@ def _as_dtype(dtype, model) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+def _resolve(model, revision: str | None):
+    """A model name -> a preset name or a local directory (a hub id: its snapshot, model/hub.py), once, before
+    anything reads files; a live module as it is (it has no revision)."""
+    if isinstance(model, Qwen3ForCausalLM):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} names a hub commit; a live module has none")
+        return model
+    return resolve_model(str(model), revision=revision)
+
+
 def _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization) -> None:
     """vLLM arguments: the values rlengine can honour, or one error that says why not."""
     if tensor_parallel_size != 1:
@@ -54,11 +66,13 @@ def _build_model(model, dtype, device, moe_impl) -> Qwen3ForCausalLM:
 
 
 def _tokenizer(model, tokenizer) -> tuple[Tokenizer | None, bool]:
-    """(the engine's tokenizer, whether its EOS ids count): a given one (Tokenizer, or a checkpoint directory),
-    else a checkpoint's own, the built-in one for a preset (whose config already names its EOS), None for a
-    bare module."""
+    """(the engine's tokenizer, whether its EOS ids count): a given one (Tokenizer, or a checkpoint directory or
+    hub id with tokenizer files, whose vocabulary must fit the model's), else a checkpoint's own, the built-in
+    one for a preset (whose config already names its EOS), None for a bare module."""
+    if isinstance(tokenizer, (str, Path)) and isinstance(model, Qwen3ForCausalLM):
+        return tokenizer_from(str(tokenizer), model.config.vocab_size), True
     if isinstance(tokenizer, (str, Path)):
-        return tokenizer_for(str(tokenizer)), True
+        return tokenizer_for(str(model), tokenizer=str(tokenizer)), True
     if tokenizer is not None:
         return tokenizer, True
     if isinstance(model, Qwen3ForCausalLM):

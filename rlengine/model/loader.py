@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from rlengine.model.config import ConfigError, ModelConfig
 from rlengine.model.hf_names import WeightSpec, weight_map
+from rlengine.model.hub import is_hub_id, resolve_model
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -29,8 +30,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint file is missing, unreadable, or disagrees with its config."""
 
 
-def load_model_config(path: str | Path) -> ModelConfig:
-    cfg_path = Path(path) / "config.json"
+def checkpoint_dir(path: str | Path, revision: str | None = None) -> Path:
+    """A checkpoint directory, or a Hugging Face hub id (org/name, at `revision`) -> its snapshot directory
+    (model/hub.py); any other path as it is, for the caller to report."""
+    if revision or (not Path(path).is_dir() and is_hub_id(str(path))):
+        return Path(resolve_model(str(path), revision=revision))
+    return Path(path)
+
+
+def load_model_config(path: str | Path, *, revision: str | None = None) -> ModelConfig:
+    """config.json of a checkpoint directory or hub id -> ModelConfig (CheckpointError / ConfigError naming it)."""
+    cfg_path = checkpoint_dir(path, revision) / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{cfg_path}: missing (a checkpoint directory needs config.json)")
     try:
@@ -102,12 +112,12 @@ def _assemble(spec: WeightSpec, reader: _Reader) -> torch.Tensor:
 
 
 def load_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    moe_impl: str = "ref") -> Qwen3ForCausalLM:
-    """Load a HF checkpoint directory -> Qwen3ForCausalLM on `device` in `dtype`.
+                    moe_impl: str = "ref", revision: str | None = None) -> Qwen3ForCausalLM:
+    """Load a HF checkpoint directory (or hub id, at `revision`) -> Qwen3ForCausalLM on `device` in `dtype`.
 
     Raises CheckpointError / ConfigError naming the file, tensor or field on any problem.
     """
-    path = Path(path)
+    path = checkpoint_dir(path, revision)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
     cfg = load_model_config(path)

@@ -1,8 +1,9 @@
 """Checks that a job can run on this machine, before anything is built or any rank is started.
 
 The command line (rlengine/cli/commands.py) and the installed benchmarks call these with what the user
-typed: the device, the attention backend, the model (a preset, or a checkpoint directory with a
-config.json), and for a training job its task (every data row, the reward) and prompt lengths.
+typed: the device, the attention backend, the model (a preset, a checkpoint directory with a
+config.json, or a Hugging Face hub id), and for a training job its task (every data row, the
+reward) and prompt lengths.
 Each failure is a ConfigError (or the loader's CheckpointError) naming the option and the fix,
 which the CLI prints as one line. Simplification: the job later reads the same files again (the
 JSONL rows, config.json); that costs milliseconds next to a run and keeps the builders unchanged.
@@ -10,12 +11,11 @@ JSONL rows, config.json); that costs milliseconds next to a run and keeps the bu
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-from rlengine.model.config import PRESETS, ConfigError, ModelConfig, preset
+from rlengine.model.config import ConfigError, ModelConfig, preset
 
 
 def check_device(device: str | None, what: str) -> torch.device:
@@ -47,22 +47,20 @@ def check_backend(name: str, device: torch.device, what: str) -> None:
         raise ConfigError(f"{what}: {exc}") from None
 
 
-def check_model(name: str, what: str) -> ModelConfig:
-    """The ModelConfig of preset or checkpoint directory `name`; ConfigError / CheckpointError naming
-    the preset or file otherwise (a checkpoint's config.json and that its weight files exist: the
-    tensors themselves are checked when loaded)."""
-    if Path(name).is_dir():
+def check_model(name: str, what: str, revision: str | None = None) -> ModelConfig:
+    """The ModelConfig of preset, checkpoint directory or hub id `name` (at `revision`; model/hub.py finds or
+    downloads it); ConfigError / CheckpointError naming the preset, id or file otherwise (a checkpoint's
+    config.json and that its weight files exist: the tensors themselves are checked when loaded)."""
+    from rlengine.model.hub import resolve_model
+
+    path = resolve_model(name, revision=revision, what=what)
+    if Path(path).is_dir():
         from rlengine.model.loader import _weight_files, load_model_config
 
-        cfg = load_model_config(name)
-        _weight_files(Path(name))  # the loader's own file discovery: a missing shard or safetensors file
+        cfg = load_model_config(path)
+        _weight_files(Path(path))  # the loader's own file discovery: a missing shard or safetensors file
         return cfg
-    if name in PRESETS:
-        return preset(name)
-    if os.sep in name or name.startswith(".") or (os.altsep and os.altsep in name):
-        raise ConfigError(f"{what} {name!r}: checkpoint directory not found")
-    raise ConfigError(f"{what} {name!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-                      "nor a checkpoint directory")
+    return preset(path)
 
 
 def check_train_config(cfg) -> None:
@@ -74,7 +72,7 @@ def check_train_config(cfg) -> None:
     from rlengine.rl.data.tasks import build_task
 
     device = check_device(cfg.model.device, "model.device")
-    model = check_model(cfg.model.name, "model.name")
+    model = check_model(cfg.model.name, "model.name", cfg.model.revision)
     check_backend(cfg.attention_backend, device, "gen.backend")
     if cfg.model.moe_impl == "triton":
         from rlengine.model.moe import triton_available
@@ -85,6 +83,8 @@ def check_train_config(cfg) -> None:
     t = cfg.task
     task = build_task(t.name, path=t.path, eval_path=t.eval_path, reward=t.reward, num_train=t.num_train,
                       num_eval=t.num_eval, seed=t.seed)
-    encode = PromptEncoder(tokenizer_for(cfg.model.name), chat_template=t.chat_template, system_prompt=t.system_prompt)
+    tok = tokenizer_for(cfg.model.name, revision=cfg.model.revision, tokenizer=cfg.model.tokenizer or None,
+                        what="model.tokenizer")
+    encode = PromptEncoder(tok, chat_template=t.chat_template, system_prompt=t.system_prompt)
     check_job_prompts(task, build_eval_sets(task, cfg.eval) if cfg.eval.sets else [], encode,
                       max_position_embeddings=model.max_position_embeddings, max_tokens=cfg.gen.max_tokens)

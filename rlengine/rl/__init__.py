@@ -1,6 +1,6 @@
 """The RL side of rlengine, by role; each layer imports only the ones listed above it.
 
-    types.py      RolloutGroup, the scored group that rollout, algo and learner hand on
+    rollout_group RolloutGroup, the scored group that rollout, algo and learner hand on
     distributed   Dist (ranks and global reductions) and the DDP / FSDP2 wrapping
     algo/         the algorithm as math: advantages, policy / value / KL losses, over-long shaping,
                   LR schedules, the optimizer with master weights, the critic's value head
@@ -9,7 +9,7 @@
     config/       the job's settings: section dataclasses, typed values, TOML + overrides
     rollout/      prompts -> engine -> scored groups (collector), and held-out evaluation
     learner/      groups -> packed TrainBatch (batching), and one optimizer update (learner)
-    trainer/      the job: the loop, its parts, checkpoints, run directories, outputs, memory plan
+    trainer/      the job: the loop, its parts, checkpoints, run directories, outputs (its plan: rlengine/plan)
 
 `from rlengine.rl import Trainer, TrainConfig, load_job_config` gives the entry points.
 """

@@ -16,7 +16,7 @@ import pytest
 from rlengine import LLM, SamplingParams
 from rlengine.analysis.memory import training_state_bytes
 from rlengine.analysis.memory_plan import GiB, activation_bytes, plan_memory, sampler_bytes
-from rlengine.rl.trainer.memory import plan_for_config
+from rlengine.plan.memory import plan_for_config
 from rlengine.analysis.roofline import b_kv, kv_bytes_per_seq
 from rlengine.model.config import ConfigError, preset
 from rlengine.engine.kv_cache import bytes_per_block

@@ -65,7 +65,7 @@ def test_cuda_trainer_measures_the_learner_peak_under_the_estimate(tmp_path, cap
     from rlengine.model.config import preset
     from rlengine.rl.config import load_job_config
     from rlengine.rl.trainer import Trainer
-    from rlengine.rl.trainer.memory import learner_head
+    from rlengine.plan.memory import learner_head
 
     tc = load_job_config("rlengine/configs/grpo.toml", [
         "--model.dtype", "bfloat16", "--warmstart.steps", "0", "--train.updates", "1", "--train.prompts_per_step", "8",

@@ -30,9 +30,9 @@ def test_rows_carry_value_default_and_change_mark():
     assert list(rows) == _all_keys()
     assert rows["train.lr"].value == 0.0042 and rows["train.lr"].default == 1e-3 and rows["train.lr"].changed
     assert rows["gen.max_tokens"].value == 13 and rows["gen.max_tokens"].changed
-    # gen.b_gen = 0 stands for B_train: the value shows B_train, the default the declared 0, and a config
-    # built from nothing has the same B_train, so it is not a change
-    assert rows["gen.b_gen"].value == cfg.train.b_train and rows["gen.b_gen"].default == 0
+    # gen.b_gen = 0 stands for B_train: the value is what was written (0; the plan resolves it), the
+    # default the declared 0, so it is not a change
+    assert rows["gen.b_gen"].value == 0 and rows["gen.b_gen"].default == 0
     assert not rows["gen.b_gen"].changed and not rows["model.name"].changed
     assert rows["eval.sets"].default == {} and rows["train.betas"].default == (0.9, 0.99)
 

@@ -1,4 +1,4 @@
-"""The job's memory plan as the trainer and the launcher use it (rl/trainer/memory.py), on the CPU.
+"""The job's memory plan as the trainer and the launcher use it (plan/memory.py), on the CPU.
 
 - train.micro_batch = 0 takes the largest micro-batch the plan fits: hand-checked on a stand-in plan
   family, then end to end on a host budget set between two micro-batches' needs (the trainer picks
@@ -22,8 +22,8 @@ from rlengine.model.config import ConfigError, preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.config import load_job_config
 from rlengine.rl.trainer import Trainer
-from rlengine.rl.trainer import memory
-from rlengine.rl.trainer.memory import (RANK_MEMORY_ENV, choose_micro_batch, job_shape, learner_peak,
+from rlengine.plan import memory
+from rlengine.plan.memory import (RANK_MEMORY_ENV, choose_micro_batch, job_shape, learner_peak,
                                         plan_for_config, sequences_per_rank)
 from tests.support.cpu_peak import PeakHeap
 
@@ -73,10 +73,10 @@ def test_cpu_trainer_picks_the_micro_batch_the_host_share_fits(tmp_path, monkeyp
     monkeypatch.setenv(RANK_MEMORY_ENV, str(int((lo + hi) / 2 / 0.9)))
     tr = Trainer(tc)
     assert tr.memory_plan.micro_batch == 8 and tr.memory_plan.kv_fixed
-    assert tr.cfg.train.micro_batch == 8
+    assert tr.plan.learner.micro_batch == tr.learner.spec.micro_batch == 8 and tr.cfg.train.micro_batch == 0
     assert "train.micro_batch = 0: micro-batches of 8 sequences (of 32 per rank)" in capsys.readouterr().out
-    saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert saved["train"]["micro_batch"] == 8  # a resumed run trains with the same micro-batches
+    saved = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert saved["learner"]["micro_batch"] == 8  # a resumed run trains with the same micro-batches (pinned_micro_batch)
     metrics = tr.train_step()
     assert metrics["loss"] == metrics["loss"]  # finite: the micro-batches ran
     tr.parts.close()

@@ -21,7 +21,7 @@ from rlengine.rl.config import load_job_config
 from rlengine.rl.config import TrainSection
 from rlengine.rl.learner.batching import grpo_batch
 from rlengine.rl.learner.learner import Learner, token_logprobs
-from rlengine.rl.trainer.memory import plan_for_config
+from rlengine.plan.memory import plan_for_config
 from tests.rl.test_learner import _rollouts
 
 

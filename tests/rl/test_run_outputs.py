@@ -214,7 +214,7 @@ def test_overlong_fraction_logged_and_mask_leaves_nothing_to_learn(tmp_path):
     assert all(r["actor_grad_norm"] == 0.0 for r in steps)
     soft = short_run_config(tmp_path, "soft",
                             ["--gen.max_tokens", "1", "--train.overlong", "soft", "--train.updates", "1"])
-    assert soft.train.overlong_buffer == 1  # default max(1, max_tokens // 4)
+    assert soft.train.overlong_buffer == 0 and soft.overlong_buffer == 1  # as written; max(1, max_tokens // 4)
     rec = [r for r in Trainer(soft).run() if r["update"] > 0][0]
     assert rec["overlong_penalty_mean"] == -1.0
     with pytest.raises(ConfigError, match="overlong_buffer"):

@@ -48,9 +48,9 @@ def test_defaults_and_the_dr_grpo_length():
             t.rollout_is, t.activation_checkpointing, t.ref_offload) == (1, 1, "k3", False, None, "none", "none",
                                                                           False, False)
     cfg = load_job_config(GRPO, ["--train.agg", "seq-mean-token-sum-norm", "--gen.max_tokens", "12"])
-    assert cfg.train.loss_norm_len == 12
+    assert cfg.train.loss_norm_len == 0 and cfg.loss_norm_len == 12  # as written; resolved from max_tokens
     cfg = load_job_config(GRPO, ["--train.agg", "seq-mean-token-sum-norm", "--train.loss_norm_len", "40"])
-    assert cfg.train.loss_norm_len == 40
+    assert cfg.train.loss_norm_len == cfg.loss_norm_len == 40
     # TOML has no null: an unset clip_ratio_c is left out of a written config and reads back as None
     cfg = load_job_config(GRPO)
     assert "clip_ratio_c" not in to_toml(cfg.to_dict())

@@ -15,6 +15,7 @@ from rlengine import LLM
 from rlengine.model.config import preset
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.algo.losses import kl_k3
+from rlengine.rl.algo.registry import algorithm
 from rlengine.rl.config import TrainSection
 from rlengine.rl.learner.batching import grpo_batch, ppo_batch
 from rlengine.rl.learner.learner import Learner, token_logprobs
@@ -173,7 +174,8 @@ def test_kl_in_reward_folds_into_grpo_scores():
     stats = learner.prepare(b := copy.deepcopy(batch))
     kl = batch.old_logprobs - _logp(learner.ref, batch)  # k1 at the behaviour log-probs
     v = batch.loss_mask > 0
-    want = grpo_kl_advantages(batch, torch.where(v, kl, 0.0), coef=0.5, group_size=3, normalize_std=True)
+    want = grpo_kl_advantages(batch, torch.where(v, kl, 0.0), coef=0.5, group_size=3,
+                              estimator=algorithm("grpo").estimator, opts=learner.cfg)
     torch.testing.assert_close(b.advantages, want, rtol=RTOL, atol=1e-6)
     assert not torch.allclose(b.advantages, batch.advantages)  # the KL changed the advantages
     assert stats["kl_reward"] == pytest.approx(float(kl[v].mean()), rel=1e-4)

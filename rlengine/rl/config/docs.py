@@ -9,7 +9,11 @@ docs/METHOD.md.
 
 FIELD_DOCS: dict[str, str] = {
     # [model]
-    "model.name": "preset name (tiny, qwen3-0.6b, ...; see `rlengine info`) or a Hugging Face checkpoint directory",
+    "model.name": "preset (tiny, qwen3-0.6b, ...; `rlengine info`), HF checkpoint directory, or hub id org/name "
+                  "(cached or downloaded)",
+    "model.revision": "hub ids only: the branch, tag or commit sha to load (\"\" = the repo's default branch)",
+    "model.tokenizer": "a directory or hub id to take the tokenizer from (\"\" = the model's own); its "
+                       "vocabulary must fit the model's",
     "model.dtype": "weights and compute dtype: float32 | bfloat16 | float16 | float64 (tests)",
     "model.device": "cpu | cuda | cuda:N; auto = cuda if available, else cpu",
     "model.moe_impl": "MoE expert kernels: ref (torch loop) | triton | auto (triton on a GPU with triton)",

@@ -1,4 +1,4 @@
-"""The RL job's settings: one plain dataclass per TOML section, and TrainConfig holding them.
+"""The RL job's settings: one frozen dataclass per TOML section, and TrainConfig holding them.
 
 Every value is first checked against its field's declared type (config_values.typed: a bool is not an int,
 an int is accepted for a float, a list becomes a tuple), then validated in __post_init__ with a
@@ -6,6 +6,12 @@ message naming `section.field` and the allowed range; both raise ConfigError. Un
 file or an override) are errors, never silently ignored.
 B_train = P * G retained responses per optimizer update: set either train.prompts_per_step
 (P) or train.b_train (which must be divisible by G).
+
+The config keeps what the user wrote: an assignment raises, and "0 = auto" values (gen.b_gen,
+train.micro_batch, train.overlong_buffer, train.loss_norm_len, ...) stay 0. The plan stage
+(rlengine/plan/) resolves them into specs. One normalisation happens at load, in the section
+itself: train.group_size 0 becomes the algorithm's default G, and whichever of train.b_train and
+train.prompts_per_step was set gives the other (B_train = P * G is the pair's definition).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import typing
 from dataclasses import dataclass, field
 
 from rlengine.model.config import ConfigError
+from rlengine.rl.algo.registry import ALGORITHMS, algorithm
 from rlengine.rl.config.update_options import AGGREGATIONS, UpdateOptions
 from rlengine.rl.config.values import typed
 
@@ -24,7 +31,7 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSection:
     """Which model the job trains (a preset or a HF checkpoint directory)."""
 
@@ -32,17 +39,24 @@ class ModelSection:
     dtype: str = "float32"
     device: str = "auto"                 # auto = cuda if available else cpu
     moe_impl: str = "ref"                # ref | triton | auto (triton on GPU)
+    revision: str = ""                   # hub ids only: a branch, tag or commit sha ("" = the default branch)
+    tokenizer: str = ""                  # a directory or hub id to take the tokenizer from ("" = the model's own)
 
     def __post_init__(self):
         _check(bool(self.name), "model.name is required: a preset (tiny, ...) or a HF checkpoint directory "
                                 "(--model.name DIR)")
+        _check(self.revision == self.revision.strip() and self.tokenizer == self.tokenizer.strip(),
+               "model.revision and model.tokenizer take no leading or trailing spaces")
+        _check(not self.revision or "/" in self.name,
+               f"model.revision {self.revision!r} names a commit of a Hugging Face hub id (org/name); "
+               f"model.name {self.name!r} is not one")
         # float64 is for tests: runs on 1 and 2 ranks then agree token for token (no rounding flips)
         _check(self.dtype in ("float32", "bfloat16", "float16", "float64"),
                f"model.dtype must be float32|bfloat16|float16|float64, got {self.dtype!r}")
         _check(self.moe_impl in ("ref", "triton", "auto"), f"model.moe_impl must be ref|triton|auto, got {self.moe_impl!r}")
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TaskSection:
     """Where prompts and rewards come from."""
 
@@ -73,7 +87,7 @@ class TaskSection:
             load_plugin(self.reward)
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GenSection:
     """The generator: B_gen and sampling."""
 
@@ -119,12 +133,12 @@ class GenSection:
         return self.top_k > 0 or self.top_p < 1.0
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainSection(UpdateOptions):
     """The learner: algorithm, batch knobs, optimiser and loss settings (the policy-update options
     it inherits, train.ppo_epochs to train.ref_offload, are in update_options.py)."""
 
-    algo: str = "grpo"                   # grpo | ppo
+    algo: str = "grpo"                   # a registered algorithm (rl/algo/registry.py): grpo | ppo
     group_size: int = 0                  # G; 0 = 8 for GRPO, 1 for PPO
     prompts_per_step: int = 16           # P
     b_train: int = 0                     # P*G; if set, P = b_train / G
@@ -170,13 +184,13 @@ class TrainSection(UpdateOptions):
     vf_coef: float = 1.0
 
     def __post_init__(self):
-        _check(self.algo in ("grpo", "ppo"), f"train.algo must be grpo|ppo, got {self.algo!r}")
-        if self.group_size == 0:
-            self.group_size = 8 if self.algo == "grpo" else 1
+        algo = algorithm(self.algo)
+        if self.group_size == 0:  # the load-time normalisation of the module docstring
+            object.__setattr__(self, "group_size", algo.default_group_size)
         _check(self.group_size >= 1, f"train.group_size must be >= 1, got {self.group_size}")
-        _check(self.algo != "grpo" or self.group_size >= 2,
-               f"train.group_size must be >= 2 for GRPO (got {self.group_size}): with one response per prompt "
-               "the group-relative advantage is always 0 and nothing is learned")
+        _check(not algo.group_relative or self.group_size >= 2,
+               f"train.group_size must be >= 2 for {self.algo} (got {self.group_size}): with one response per "
+               "prompt the group-relative advantage is always 0 and nothing is learned")
         _check(self.parallel in ("auto", "none", "ddp", "fsdp"),
                f"train.parallel must be auto|none|ddp|fsdp, got {self.parallel!r}")
         _check(self.master_weights in ("auto", "fp32", "none"),
@@ -186,16 +200,17 @@ class TrainSection(UpdateOptions):
         if self.b_train:
             _check(self.b_train % self.group_size == 0,
                    f"train.b_train ({self.b_train}) must be divisible by train.group_size G ({self.group_size})")
-            self.prompts_per_step = self.b_train // self.group_size
+            object.__setattr__(self, "prompts_per_step", self.b_train // self.group_size)
         _check(self.prompts_per_step >= 1, f"train.prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        self.b_train = self.prompts_per_step * self.group_size
+        object.__setattr__(self, "b_train", self.prompts_per_step * self.group_size)
         _check(self.updates >= 1, f"train.updates must be >= 1, got {self.updates}")
         _check(self.lr >= 0, f"train.lr must be >= 0 (0: a frozen policy), got {self.lr}")
         _check(self.lr_rule in ("sqrt", "linear", "none"), f"train.lr_rule must be sqrt|linear|none, got {self.lr_rule!r}")
         _check(self.agg in AGGREGATIONS, f"train.agg must be {'|'.join(AGGREGATIONS)}, got {self.agg!r}")
         _check(self.credit in ("sequence", "token"), f"train.credit must be sequence|token, got {self.credit!r}")
-        _check(self.credit == "sequence" or self.algo == "grpo",
-               "train.credit = 'token' is a GRPO option (PPO's critic assigns credit per token already)")
+        _check(self.credit == "sequence" or algo.estimator.token_fn is not None,
+               f"train.credit = 'token' needs an estimator with per-token credit (grpo); train.algo = {self.algo!r} "
+               f"uses {algo.estimator_name!r}" + (", whose critic assigns credit per token already" if algo.critic else ""))
         _check(0 <= self.clip_low < 1 and self.clip_high >= 0, "train.clip_low must be in [0, 1) and clip_high >= 0")
         _check(self.micro_batch >= 0, f"train.micro_batch must be >= 0, got {self.micro_batch}")
         _check(0 < self.gamma <= 1 and 0 <= self.lam <= 1, "train.gamma must be in (0, 1] and train.lam in [0, 1]")
@@ -206,7 +221,17 @@ class TrainSection(UpdateOptions):
         _check(0 <= self.warmup_updates < self.updates,
                f"train.warmup_updates must be in [0, train.updates = {self.updates}), got {self.warmup_updates}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        self.check_update_options(algo=self.algo, parallel=self.parallel, credit=self.credit, b_train=self.b_train)
+        self.check_update_options(algo=algo, parallel=self.parallel, credit=self.credit, b_train=self.b_train)
+        self._check_algorithm_options(algo)
+
+    def _check_algorithm_options(self, algo) -> None:
+        """An option that belongs to other algorithms (Algorithm.options) keeps its default here."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for other in ALGORITHMS.values():
+            for name in other.options:
+                _check(name in algo.options or getattr(self, name) == defaults[name],
+                       f"train.{name} is an option of train.algo = {other.name!r}, not of {algo.name!r}; "
+                       f"leave it at its default ({defaults[name]!r})")
 
     @property
     def lr_effective(self) -> float:
@@ -216,7 +241,7 @@ class TrainSection(UpdateOptions):
         return self.lr * (self.b_train / b0) ** power
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WarmStartSection:
     """Optional supervised warm start (teaches the answer FORMAT only, with random answers)."""
 
@@ -225,7 +250,7 @@ class WarmStartSection:
     batch: int = 64
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EvalSection:
     every: int = 5                       # updates between evaluations (and at 0 and the end)
     every_responses: int = 0             # if > 0: evaluate each time N crosses a multiple of this (not `every`)
@@ -260,10 +285,10 @@ class EvalSection:
         return self.primary or self.set_names[0]
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunSection:
     name: str = ""                       # the run's label (plots, reports); "" = out_dir's last part
-    out_dir: str = "runs/default"        # with name set and out_dir left at its default: runs/<name>
+    out_dir: str = "runs/default"        # with name set and out_dir left at its default: runs/<name> (run_dir)
     seed: int = 0
     checkpoint_every: int = 0            # updates; 0 = only at the end
     progress: bool = True
@@ -281,8 +306,6 @@ class RunSection:
     def __post_init__(self):
         _check("/" not in self.name and self.name not in (".", ".."),
                f"run.name must be a plain name (no '/'), got {self.name!r}")
-        if self.name and self.out_dir == "runs/default":
-            self.out_dir = f"runs/{self.name}"
         _check(self.samples_every >= 0, f"run.samples_every must be >= 0, got {self.samples_every}")
         _check(self.dist_timeout_s > 0, f"run.dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
         _check(self.save_timeout_s > 0, f"run.save_timeout_s must be > 0 seconds, got {self.save_timeout_s}")
@@ -301,7 +324,7 @@ class RunSection:
                    "run.wandb = true needs the wandb package (`pip install rlengine[wandb]`)")
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     task: TaskSection = field(default_factory=TaskSection)
@@ -319,14 +342,33 @@ class TrainConfig:
                f"gen.b_gen ({b_gen}) must be >= train.b_train ({self.train.b_train}): B_gen counts the responses in "
                "flight, at least one update's worth (0 = B_train, coupled; larger = async partial rollouts); the KV "
                "pool (gen.num_kv_blocks) is what bounds how many decode at once")
-        self.gen.b_gen = b_gen
         t = self.train
         if t.overlong == "soft":
-            t.overlong_buffer = t.overlong_buffer or max(1, self.gen.max_tokens // 4)
-            _check(t.overlong_buffer <= self.gen.max_tokens,
-                   f"train.overlong_buffer ({t.overlong_buffer}) must be <= gen.max_tokens ({self.gen.max_tokens})")
-        if t.agg == "seq-mean-token-sum-norm":  # Dr. GRPO's constant: the longest response the engine makes
-            t.loss_norm_len = t.loss_norm_len or self.gen.max_tokens
+            _check(self.overlong_buffer <= self.gen.max_tokens,
+                   f"train.overlong_buffer ({self.overlong_buffer}) must be <= gen.max_tokens ({self.gen.max_tokens})")
+
+    # Values resolved from the config alone ("0 = auto" read from the sections they depend on). The plan
+    # stage puts them into its specs (rlengine/plan/specs.py); nothing below the plan reads them here.
+    @property
+    def b_gen(self) -> int:
+        """B_gen: gen.b_gen, or B_train (coupled) when it is 0."""
+        return self.gen.b_gen or self.train.b_train
+
+    @property
+    def overlong_buffer(self) -> int:
+        """DAPO's L_cache: train.overlong_buffer, or max(1, gen.max_tokens // 4) when it is 0."""
+        return self.train.overlong_buffer or max(1, self.gen.max_tokens // 4)
+
+    @property
+    def loss_norm_len(self) -> int:
+        """Dr. GRPO's constant length: train.loss_norm_len, or gen.max_tokens (the longest response) when 0."""
+        return self.train.loss_norm_len or self.gen.max_tokens
+
+    @property
+    def run_dir(self) -> str:
+        """Where the run writes: run.out_dir, or runs/<run.name> when a name is set and out_dir is the default."""
+        r = self.run
+        return f"runs/{r.name}" if r.name and r.out_dir == "runs/default" else r.out_dir
 
     @property
     def attention_backend(self) -> str:

@@ -1,7 +1,7 @@
 """`rlengine config show`: every field of a job's config with its value, its default and one line of doc.
 
-The value is the loaded config's (file plus overrides, after the sections' own normalisation: gen.b_gen
-= 0 shows as the B_train it stands for); the default is the dataclass field's as declared. Rows marked
+The value is the loaded config's (file plus overrides, as written: gen.b_gen = 0 stays 0, the B_train it
+stands for is resolved by the plan stage); the default is the dataclass field's as declared. Rows marked
 `*` differ from what the same field is in a config with no file and no overrides. Docs come from docs.py; a field without one is a bug that the tests catch.
 """
 

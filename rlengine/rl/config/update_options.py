@@ -23,7 +23,7 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UpdateOptions:
     """Policy-update settings of [train] (see the module docstring)."""
 
@@ -45,7 +45,7 @@ class UpdateOptions:
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward
     ref_offload: bool = False            # KL reference's decoder layers on the host, streamed per layer
 
-    def check_update_options(self, *, algo: str, parallel: str, credit: str, b_train: int) -> None:
+    def check_update_options(self, *, algo, parallel: str, credit: str, b_train: int) -> None:
         """Validate the fields above (TrainSection.__post_init__ calls this); raises ConfigError."""
         _check(self.ppo_epochs >= 1, f"train.ppo_epochs must be >= 1, got {self.ppo_epochs}")
         _check(1 <= self.mini_batches <= b_train,
@@ -61,8 +61,8 @@ class UpdateOptions:
                f"train.clip_ratio_c must be > 1 (or unset for no dual-clip), got {self.clip_ratio_c}")
         _check(self.loss_norm_len >= 0, f"train.loss_norm_len must be >= 0 (0 = gen.max_tokens), got {self.loss_norm_len}")
         _check(self.adv_whiten in ("none", "batch"), f"train.adv_whiten must be none|batch, got {self.adv_whiten!r}")
-        _check(self.adv_whiten == "none" or algo == "grpo",
-               "train.adv_whiten = 'batch' is a GRPO option (PPO always whitens its GAE advantages)")
+        _check(self.adv_whiten == "none" or not algo.critic,
+               "train.adv_whiten = 'batch' whitens outcome advantages; a critic's GAE advantages are always whitened")
         _check(self.rollout_is in ("none", "token", "sequence"),
                f"train.rollout_is must be none|token|sequence, got {self.rollout_is!r}")
         _check(self.rollout_is_cap >= 1.0, f"train.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")

@@ -12,10 +12,11 @@ Dimension legend: T packed tokens, B sequences (= B_train responses), P prompts,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
-from rlengine.rl.algo.advantages import grpo_advantages, grpo_token_advantages
+from rlengine.rl.algo.registry import ESTIMATORS
 from rlengine.rl.rollout_group import RolloutGroup
 
 
@@ -133,16 +134,25 @@ def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[
                       seq_ids=torch.tensor(sid, dtype=i64), cu_seqlens=cu, routing_ids=route)
 
 
-def grpo_batch(groups: list[RolloutGroup], *, normalize_std: bool, token_credit: bool = False) -> TrainBatch:
-    """GRPO: group-relative advantages, one per response, broadcast over its tokens; with
-    token_credit, one per token from the groups' token_credits (grpo_token_advantages)."""
+def estimate_batch(groups: list[RolloutGroup], estimator, opts, *, token_credit: bool = False) -> TrainBatch:
+    """The update's TrainBatch under an advantage estimator (rl/algo/registry.py): an outcome estimator's
+    advantages, one per response broadcast over its tokens (with token_credit, one per token from the
+    groups' token_credits through estimator.token_fn); a critic estimator's batch carries zeros, which
+    the learner replaces with its GAE advantages. opts: the train.* options the estimator reads."""
+    if estimator.critic:
+        return ppo_batch(groups)
     if not groups:  # this rank's share of the update can be empty
         return _flatten(groups, torch.zeros(0, 0))
     rewards_PG = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
-    token_adv = None
-    if token_credit:
-        token_adv = [a for g in groups for a in grpo_token_advantages(g.token_credits, normalize_std=normalize_std)]
-    return _flatten(groups, grpo_advantages(rewards_PG, normalize_std=normalize_std), token_adv)
+    token_adv = [a for g in groups for a in estimator.token_fn(g.token_credits, opts)] if token_credit else None
+    return _flatten(groups, estimator.fn(rewards_PG, opts), token_adv)
+
+
+def grpo_batch(groups: list[RolloutGroup], *, normalize_std: bool, token_credit: bool = False) -> TrainBatch:
+    """GRPO: group-relative advantages, one per response, broadcast over its tokens; with
+    token_credit, one per token from the groups' token_credits (estimate_batch with the grpo estimator)."""
+    return estimate_batch(groups, ESTIMATORS["grpo"], SimpleNamespace(normalize_std=normalize_std),
+                          token_credit=token_credit)
 
 
 def ppo_batch(groups: list[RolloutGroup]) -> TrainBatch:

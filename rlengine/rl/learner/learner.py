@@ -25,10 +25,11 @@ import math
 import torch
 
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.rl.algo.losses import kl_penalty, masked_aggregate, policy_loss, value_loss
+from rlengine.rl.algo.losses import kl_penalty, masked_aggregate, value_loss
 from rlengine.rl.algo.optim import LearnerOptimizer, use_master_weights
 from rlengine.rl.algo.rollout_is import rollout_is_weights
 from rlengine.rl.algo.value import ValueModel, explained_variance, explained_variance_sums
+from rlengine.plan.specs import LearnerSpec
 from rlengine.rl.config import TrainSection
 from rlengine.rl.distributed import Dist, full_tensor
 from rlengine.rl.learner.batching import TrainBatch
@@ -41,20 +42,27 @@ __all__ = ["Learner", "token_logprobs", "processed_token_logprobs"]  # the log-p
 
 
 class Learner:
-    def __init__(self, model: Qwen3ForCausalLM, cfg: TrainSection, *, temperature: float = 1.0,
+    def __init__(self, model: Qwen3ForCausalLM, spec: LearnerSpec | TrainSection, *, temperature: float = 1.0,
                  fused_logprob: bool | None = None, replay_routing: bool = False, logprobs_mode: str = "raw",
                  top_k: int = -1, top_p: float = 1.0, dist: Dist | None = None):
-        self.model, self.cfg = model, cfg
+        """spec: the plan's LearnerSpec (the trainer), or train.* alone (benches, tests: the keywords then
+        give the log-prob definition, and train.micro_batch / train.loss_norm_len are taken as written)."""
+        if isinstance(spec, TrainSection):
+            spec = LearnerSpec.from_options(spec, temperature=temperature, replay_routing=replay_routing,
+                                            logprobs_mode=logprobs_mode, top_k=top_k, top_p=top_p)
+        self.model, self.spec, self.cfg = model, spec, spec.options  # cfg: train.* as the user wrote them
+        cfg = self.cfg
         self.dist = dist or Dist()
-        self.temperature = temperature
+        self.temperature = spec.temperature
         self.fused = model.device.type == "cuda" if fused_logprob is None else fused_logprob
-        self.replay_routing = replay_routing
-        self.logprobs_mode, self.top_k, self.top_p = logprobs_mode, top_k, top_p
+        self.replay_routing = spec.replay_routing
+        self.logprobs_mode, self.top_k, self.top_p = spec.logprobs_mode, spec.top_k, spec.top_p
         # The KL reference is the policy as it is NOW (the trainer builds the learner after the
         # format warm start, so this is the policy at update 0); checkpoints save and restore it.
         with_ref = cfg.kl_coef > 0 or cfg.kl_in_reward
         self.ref = copy.deepcopy(model).eval().requires_grad_(False) if with_ref else None
-        self.critic = ValueModel(model) if cfg.algo == "ppo" else None
+        self.algo = spec.algorithm  # the estimator, the policy loss, whether a critic trains
+        self.critic = ValueModel(model) if self.algo.critic else None
         self.parallel = cfg.parallel if cfg.parallel != "auto" else ("ddp" if self.dist.enabled else "none")
         self.actor_fwd, self.critic_fwd = self._parallelize()
         # train.ref_offload: after _parallelize, whose broadcast needs the reference on the device
@@ -62,20 +70,20 @@ class Learner:
         self.last_passes: list[dict] = []  # the last step()'s per-pass metrics (epochs x mini-batches)
         masters = use_master_weights(cfg.master_weights, model.dtype)
         self.ranges = PhaseRanges.for_device(model.device)  # learner.forward-backward / learner.optimizer
-        self.optim = LearnerOptimizer(model.parameters(), lr=cfg.lr_effective, betas=cfg.betas,
+        self.optim = LearnerOptimizer(model.parameters(), lr=spec.lr, betas=cfg.betas,
                                       weight_decay=cfg.weight_decay, masters=masters)
         self.critic_optim = None
         if self.critic is not None:
-            self.critic_optim = LearnerOptimizer(self.critic.parameters(), lr=cfg.lr_effective * cfg.critic_lr_mult,
+            self.critic_optim = LearnerOptimizer(self.critic.parameters(), lr=spec.lr * cfg.critic_lr_mult,
                                                  betas=cfg.betas, weight_decay=cfg.weight_decay, masters=masters)
 
     def set_lr_factor(self, factor: float) -> None:
         """LR of the next step(s) = lr_effective * factor (critic: * critic_lr_mult); rlengine/rl/algo/schedule.py."""
         for group in self.opt.param_groups:
-            group["lr"] = self.cfg.lr_effective * factor
+            group["lr"] = self.spec.lr * factor
         if self.critic_optim is not None:
             for group in self.critic_opt.param_groups:
-                group["lr"] = self.cfg.lr_effective * self.cfg.critic_lr_mult * factor
+                group["lr"] = self.spec.lr * self.cfg.critic_lr_mult * factor
 
     # What checkpoints save: the torch optimizers and the fp32 masters (None without them).
     @property
@@ -179,8 +187,8 @@ class Learner:
         if self.critic is not None:
             batch.old_values, batch.returns = self.ppo_advantages(batch, kl_T)
         elif kl_T is not None:
-            batch.advantages = grpo_kl_advantages(batch, kl_T, coef=cfg.kl_reward_coef, group_size=cfg.group_size,
-                                                  normalize_std=cfg.normalize_std)
+            batch.advantages = grpo_kl_advantages(batch, kl_T, coef=cfg.kl_reward_coef, group_size=self.spec.group_size,
+                                                  estimator=self.algo.estimator, opts=cfg)
         if cfg.adv_whiten == "batch":
             batch.advantages = whiten(batch.advantages, valid, self.dist)
         return stats
@@ -208,7 +216,7 @@ class Learner:
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch | None]:
         """This rank's micro-batches, padded with None (a no-op micro-batch) to the most any rank has:
         every rank runs the same number of forwards and backwards, so the collectives line up."""
-        mbs = batch.micro_batches(self.cfg.micro_batch) if batch.num_seqs else []
+        mbs = batch.micro_batches(self.spec.micro_batch) if batch.num_seqs else []
         count = int(self.dist.all_max([len(mbs)])[0]) if self.dist.enabled else len(mbs)
         return mbs + [None] * (count - len(mbs))
 
@@ -265,7 +273,7 @@ class Learner:
     def _micro_losses(self, mb: TrainBatch, filler: bool, norm: float, ntok: float, sums: dict, critic_only: bool):
         """(actor loss, critic loss or None, ratio max) of one micro-batch; adds its metrics into `sums`."""
         cfg = self.cfg
-        agg = dict(agg=cfg.agg, normalizer=norm, norm_len=cfg.loss_norm_len)
+        agg = dict(agg=cfg.agg, normalizer=norm, norm_len=self.spec.loss_norm_len)
         loss, ratio_max = torch.zeros((), device=mb.input_ids.device), 0.0
         if not critic_only:
             loss, ratio_max = self._policy_loss(mb, filler, agg, ntok, sums)
@@ -291,7 +299,7 @@ class Learner:
         # the ratio's denominator: the learner's own pre-update log-probs when prepare() made them (rollout
         # IS), else the engine's behaviour log-probs (one pass: ratio = 1 up to the engine-learner gap)
         old = mb.old_logprobs if mb.learner_old_logprobs is None else mb.learner_old_logprobs
-        pl, m = policy_loss(logp, old, mb.advantages, mb.loss_mask, mb.seq_ids, clip_low=cfg.clip_low,
+        pl, m = self.algo.loss.fn(logp, old, mb.advantages, mb.loss_mask, mb.seq_ids, clip_low=cfg.clip_low,
                             clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, weights=mb.is_weights, **agg)
         loss = pl
         sums["pg_loss"] += float(pl.detach())

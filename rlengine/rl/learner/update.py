@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from rlengine.rl.algo.advantages import gae, grpo_advantages
+from rlengine.rl.algo.advantages import gae
 from rlengine.rl.distributed import Dist
 from rlengine.rl.learner.batching import TrainBatch
 
@@ -62,18 +62,19 @@ def rollout_is_stats(raw_T: torch.Tensor, valid_T: torch.Tensor, cap: float, dis
     return {"rollout_is_mean": total / max(n, 1.0), "rollout_is_max": peak, "rollout_is_capped_frac": capped / max(n, 1.0)}
 
 
-def grpo_kl_advantages(batch: TrainBatch, kl_T: torch.Tensor, *, coef: float, group_size: int,
-                       normalize_std: bool) -> torch.Tensor:
-    """GRPO advantages of scores with the KL folded in (train.kl_in_reward): [T] on the trained tokens.
+def grpo_kl_advantages(batch: TrainBatch, kl_T: torch.Tensor, *, coef: float, group_size: int, estimator,
+                       opts) -> torch.Tensor:
+    """Outcome advantages (the algorithm's estimator, e.g. GRPO's) of scores with the KL folded in
+    (train.kl_in_reward): [T] on the trained tokens.
 
     score_b = reward_b - coef * sum_{valid t of b} kl_t (verl: the token-level rewards summed over the
-    response), then group-relative over each run of `group_size` consecutive responses (the packing
-    order of grpo_batch), broadcast over the response's valid tokens.
+    response), then estimator.fn over each run of `group_size` consecutive responses (the packing
+    order of estimate_batch), broadcast over the response's valid tokens.
     """
     valid = batch.loss_mask > 0
     kl_sum_B = kl_T.new_zeros(batch.num_seqs).index_add_(0, batch.seq_ids, torch.where(valid, kl_T, 0.0))
     scores_PG = (batch.rewards.float() - coef * kl_sum_B).view(-1, group_size)
-    adv_B = grpo_advantages(scores_PG, normalize_std=normalize_std).reshape(-1)
+    adv_B = estimator.fn(scores_PG, opts).reshape(-1)
     return torch.where(valid, adv_B[batch.seq_ids], torch.zeros_like(batch.advantages))
 
 

@@ -24,14 +24,16 @@ from rlengine.rl.config import TrainConfig
 from rlengine.rl.data.tasks import assign_token_credits
 from rlengine.rl.data.warmstart import cached_warmstart, format_warmstart, warmstart_key
 from rlengine.rl.distributed import Dist, init_from_env
-from rlengine.rl.learner.batching import grpo_batch, ppo_batch
+from rlengine.rl.algo.registry import algorithm
+from rlengine.rl.learner.batching import estimate_batch
 from rlengine.rl.rollout.collector import CollectStats
 from rlengine.rl.trainer.checkpoint import resume_run, save_run
 from rlengine.rl.trainer.graphs import EngineGraphs
 from rlengine.rl.trainer.parts import build_learner, build_parts
 from rlengine.rl.trainer.progress import RunConsole
 from rlengine.rl.trainer.record import UpdateTimes, boundary_since, engine_mark, update_record, write_telemetry
-from rlengine.rl.trainer.run_dir import check_new_run, keep_metrics_through, start_new_run
+from rlengine.plan.specs import saved_micro_batch
+from rlengine.rl.trainer.run_dir import check_new_run, keep_metrics_through, start_new_run, write_plan
 from rlengine.rl.trainer.run_outputs import RunOutputs, write_samples
 from rlengine.rl.trainer.signals import StopOnSignal
 from rlengine.rl.trainer.verl_metrics import StepWall, advantage_sums, timing_fields
@@ -41,13 +43,12 @@ from rlengine.telemetry.timers import PhaseTimer
 
 
 def train_batch(groups, t, task, tok):
-    """The update's TrainBatch: GRPO's group-relative advantages (per response, or per token with
-    train.credit = "token"), or PPO's (every response of every group; the critic scores each)."""
-    if t.algo != "grpo":
-        return ppo_batch(groups)
-    if t.credit == "token" and any(not g.token_credits for g in groups):  # the collector sets them
+    """The update's TrainBatch under train.algo's estimator: outcome advantages per response (or per
+    token with train.credit = "token"), or a critic's (every response; the learner runs GAE)."""
+    token_credit = t.credit == "token"
+    if token_credit and any(not g.token_credits for g in groups):  # the collector sets them
         assign_token_credits(groups, task, tok)
-    return grpo_batch(groups, normalize_std=t.normalize_std, token_credit=t.credit == "token")
+    return estimate_batch(groups, algorithm(t.algo).estimator, t, token_credit=token_credit)
 
 
 def eval_fields(metrics: dict) -> dict:
@@ -73,7 +74,7 @@ class Trainer:
         metrics go to run.out_dir either way. dist: this rank (default: from torchrun's environment).
         profile: a directory for a torch.profiler trace of the RL updates in profile_window (START:STOP)."""
         self.cfg, self.profile = cfg, (profile, ProfileWindow.parse(profile_window))  # (out dir, window)
-        self.run_dir = Path(cfg.run.out_dir)
+        self.run_dir = Path(cfg.run_dir)
         self.resume_dir = Path(resume_from) if resume_from is not None else (self.run_dir if resume else None)
         if self.resume_dir is None:  # a new run: never silently into another run's directory (checked
             check_new_run(self.run_dir, cfg.run.overwrite)  # before the first collective: no rank wrote yet)
@@ -83,11 +84,13 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         self.console = RunConsole(enabled=cfg.run.progress and self.dist.is_main,
-                                  filtering=t.dynamic_sampling and t.algo == "grpo")
+                                  filtering=t.dynamic_sampling and algorithm(t.algo).group_relative)
         with self.console.status(f"building the job: model {cfg.model.name}, engines, rewards"):
-            self.parts = p = build_parts(cfg, self.dist)
+            pinned = saved_micro_batch(self.resume_dir) if self.resume_dir is not None else None
+            self.parts = p = build_parts(cfg, self.dist, pinned_micro_batch=pinned)
         self.model, self.tok, self.task, self.llm, self.eval_llm = p.model, p.tok, p.task, p.llm, p.eval_llm
-        self.sampler, self.rewards, self.collector, self.memory_plan = p.sampler, p.rewards, p.collector, p.memory_plan
+        self.sampler, self.rewards, self.collector = p.sampler, p.rewards, p.collector
+        self.plan, self.memory_plan = p.plan, p.plan.memory  # what was resolved (RUN_DIR/plan.json)
         self.outputs = RunOutputs(self.run_dir, tensorboard=cfg.run.tensorboard, write=self.dist.is_main,
                                   wandb=cfg.to_dict() if cfg.run.wandb else None, wandb_project=cfg.run.wandb_project)
         self.update, self.N, self.history, self._saved = 0, 0, [], -1  # _saved: update last checkpointed
@@ -97,6 +100,8 @@ class Trainer:
         self.llm.phase_listener = self.telemetry
         if self.resume_dir is None and self.dist.is_main:
             start_new_run(self.run_dir, cfg, self.outputs)
+        if self.dist.is_main:
+            write_plan(self.run_dir, self.plan, announce=cfg.run.progress)
         w = cfg.warmstart
         self.warmstart_losses = []
         if self.resume_dir is None and w.steps:
@@ -114,7 +119,7 @@ class Trainer:
         slow = [f"resuming from {self.resume_dir}"] * (self.resume_dir is not None) + \
             ["capturing decode CUDA graphs"] * (self.model.device.type == "cuda")
         with self.console.status(", ".join(slow)) if slow else contextlib.nullcontext():
-            self.learner = build_learner(cfg, self.model, self.dist)
+            self.learner = build_learner(self.plan.learner, self.model, self.dist)
             if self.resume_dir is not None:
                 self._resume()
             # GPU: capture decode graphs now, not inside timed steps, on the parameters the engine reads
@@ -132,18 +137,17 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One update: collect B_train responses, shape, batch, one learner step; returns its record."""
-        t, llm, dist = self.cfg.train, self.llm, self.dist
+        t, r, llm, dist = self.cfg.train, self.plan.rollout, self.llm, self.dist
         stats, mark = CollectStats(), engine_mark(llm)
         self.timer.reset()
         with self.timer.phase("gen"), dist.unsharded(self.model):  # FSDP: decode from full weights
             self.graphs.refresh()
             groups = self.collector.collect(stats)
-        overlong, penalty = shape_overlong(groups, t.overlong, max_tokens=self.cfg.gen.max_tokens,
-                                           buffer=t.overlong_buffer)
+        overlong, penalty = shape_overlong(groups, r.overlong, max_tokens=r.max_tokens, buffer=r.overlong_buffer)
         self.learner.set_lr_factor(lr_factor(self.update, schedule=t.lr_schedule, warmup=t.warmup_updates,
                                              total=t.updates, min_ratio=t.min_lr_ratio))
         batch = train_batch(groups, t, self.task, self.tok).to(self.model.device)
-        critic_only = t.algo == "ppo" and self.update < t.critic_warmup
+        critic_only = self.learner.critic is not None and self.update < t.critic_warmup
         with self.timer.phase("train"):
             m = self.learner.step(batch, critic_only=critic_only, phases=self.telemetry)
         advantages = advantage_sums(batch.advantages, batch.loss_mask > 0)  # PPO whitened them in the step
@@ -152,17 +156,17 @@ class Trainer:
         times = UpdateTimes(*rank_times, *dist.all_max(rank_times))  # the ranks' slowest gates the update
         if not m["skipped"] and not critic_only:
             llm.weight_version += 1
-        self.N += 0 if critic_only else t.b_train
+        self.N += 0 if critic_only else r.b_train
         self.update += 1
-        boundary = boundary_since(llm, mark, responses=t.b_train, times=times)
+        boundary = boundary_since(llm, mark, responses=r.b_train, times=times)
         consumed = llm.weight_version - (0 if m["skipped"] or critic_only else 1)
         if self.cfg.run.samples_every and self.update % self.cfg.run.samples_every == 0:
             write_samples(self.outputs, groups, batch, self.tok, update=self.update, n=self.N, dist=dist)
         if m["skipped"] and dist.is_main:
             print(f"update {self.update}: non-finite loss or gradient, update skipped (weights unchanged)")
-        return update_record(update=self.update, n=self.N, critic_only=critic_only, b_train=t.b_train, stats=stats,
+        return update_record(update=self.update, n=self.N, critic_only=critic_only, b_train=r.b_train, stats=stats,
                              m=m, times=times, boundary=boundary, groups=groups, num_seqs=batch.num_seqs,
-                             consumed=consumed, overlong=overlong, penalty=penalty, soft_overlong=t.overlong == "soft",
+                             consumed=consumed, overlong=overlong, penalty=penalty, soft_overlong=r.overlong == "soft",
                              lr=self.learner.opt.param_groups[0]["lr"], dist=dist, advantages=advantages,
                              has_critic=self.learner.critic is not None)
 

@@ -19,6 +19,7 @@ import torch
 from rlengine.model.config import ConfigError
 from rlengine.engine import LLM, SamplingParams
 from rlengine.model.factory import build_model, default_device, tokenizer_for
+from rlengine.model.hub import resolve_model
 from rlengine.model.moe import triton_available
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
@@ -30,8 +31,9 @@ from rlengine.rl.distributed import Dist
 from rlengine.rl.learner.learner import Learner
 from rlengine.rl.rollout.collector import PrioritySampler, RolloutCollector
 from rlengine.rl.rollout.evaluation import EvalSet, Evaluator, build_eval_sets
-from rlengine.rl.trainer.memory import (CUDA_WORKSPACE_BYTES, CudaPeak, JobShape, cuda_context_bytes,
-                                        host_memory_per_rank, learner_peak, plan_job, sequences_per_rank, shape_of)
+from rlengine.plan.job import plan_job
+from rlengine.plan.memory import shape_of
+from rlengine.plan.specs import JobPlan, LearnerSpec
 
 
 @dataclass(slots=True)
@@ -45,7 +47,7 @@ class JobParts:
     eval_sets: list[EvalSet]
     llm: LLM                              # the rollout engine (max_num_seqs = gen.b_gen)
     eval_llm: LLM                         # the eval engine: the same module, the same KV pool
-    memory_plan: object                   # analysis.memory_plan.MemoryPlan of this device (the KV pool's size)
+    plan: JobPlan                         # what was resolved: specs of the engines, rollout and learner, memory
     sampler: PrioritySampler
     rewards: object                       # reward_pool.InlineRunner or RewardPool: close() it
     eval_rewards: object                  # J's runner: `rewards`, or the task's eval_reward_fn's own
@@ -59,79 +61,47 @@ class JobParts:
             self.eval_rewards.close()
 
 
-def build_model_and_tokenizer(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCausalLM, Tokenizer]:
+def build_model_and_tokenizer(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCausalLM, Tokenizer, str]:
+    """The model (moe_impl resolved by device), its tokenizer, and the MoE implementation chosen."""
     device = cfg.model.device if cfg.model.device != "auto" else str(default_device())
     if device == "cuda" and dist.enabled:
         device = f"cuda:{dist.local_rank}"  # one device per rank
     moe_impl = cfg.model.moe_impl
     if moe_impl == "auto":  # the Triton kernels where they can run, else the torch loop
         moe_impl = "triton" if device.startswith("cuda") and triton_available() else "ref"
-    model = build_model(cfg.model.name, dtype=cfg.model.dtype, device=device, moe_impl=moe_impl, seed=cfg.run.seed)
-    tok = tokenizer_for(cfg.model.name)
+    name = resolve_model(cfg.model.name, revision=cfg.model.revision, what="model.name")  # a hub id: its snapshot
+    model = build_model(name, dtype=cfg.model.dtype, device=device, moe_impl=moe_impl, seed=cfg.run.seed)
+    tok = tokenizer_for(name, tokenizer=cfg.model.tokenizer or None)
     if tok.eos_token_id is None:
         raise ConfigError(f"model.name {cfg.model.name!r}: the tokenizer has no EOS token (tokenizer_config.json "
                           "eos_token or generation_config.json eos_token_id), so responses could never end")
-    if Path(str(cfg.model.name)).is_dir():  # a checkpoint: stop at its own EOS ids and the tokenizer's
+    if Path(name).is_dir():  # a checkpoint: stop at its own EOS ids and the tokenizer's
         eos = list(dict.fromkeys(model.config.eos_token_ids + list(getattr(tok, "eos_token_ids", None) or [])
                                  + [tok.eos_token_id]))
         model.config.eos_token_id = eos[0] if len(eos) == 1 else eos
     else:  # a preset: the built-in tokenizer's <eos> is the only end
         model.config.eos_token_id = tok.eos_token_id
-    return model, tok
+    return model, tok, moe_impl
 
 
-def build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode, eval_sets, dist: Dist):
-    """The rollout engine and the eval engine (sharing one KV pool) sized for the job's longest prompt,
-    after checking every train and eval prompt fits, from the memory plan; returns (llm, eval_llm, plan)."""
+def build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode, eval_sets, dist: Dist, *,
+                  moe_impl: str, pinned_micro_batch: int | None = None):
+    """The job's plan (plan/job.py: memory, micro-batch, specs) for the longest prompt, after checking
+    every train and eval prompt fits, and the rollout and eval engines it specifies (one KV pool);
+    returns (llm, eval_llm, plan)."""
     g = cfg.gen
     check_job_prompts(task, eval_sets if cfg.eval.sets else [], encode,
                       max_position_embeddings=model.config.max_position_embeddings, max_tokens=g.max_tokens)
     eval_problems = [p for es in eval_sets for p in es.problems]
     shape = shape_of(cfg, [len(encode(p.prompt)) for p in task.train + eval_problems], len(eval_problems),
                      model.config.max_position_embeddings)
-    common = dict(block_size=g.block_size, max_model_len=shape.max_model_len,
-                  attention_backend=cfg.attention_backend, enforce_eager=g.enforce_eager, cpu_kernels=g.cpu_kernels,
-                  batch_invariant=g.batch_invariant,
-                  shared_prefix_decode=None if g.shared_prefix_decode == "auto" else g.shared_prefix_decode)
-    eval_seqs = shape.eval_seqs
-    memory_plan = plan_engines(cfg, model, shape, dist)
-    num_kv_blocks = memory_plan.num_kv_blocks
-    llm = LLM(model, max_num_seqs=g.b_gen, num_kv_blocks=num_kv_blocks, seed=cfg.run.seed,
-              record_routing=g.record_routing, **common)
-    # the eval engine shares the rollout engine's KV pool: one cache per device, never a second one
-    eval_llm = LLM(model, max_num_seqs=eval_seqs, seed=cfg.run.seed + 1, kv_pool=llm.kv_pool, **common)
+    plan = plan_job(cfg, model, shape, dist, moe_impl=moe_impl, pinned_micro_batch=pinned_micro_batch)
+    llm = LLM(model, **plan.engine.llm_kwargs())
+    eval_llm = LLM(model, kv_pool=llm.kv_pool, **plan.eval_engine.llm_kwargs())
     if dist.enabled and model.device.type == "cpu" and not model.batch_invariant:
-        _agree_on_cpu_kernels(model, max(g.b_gen, eval_seqs), llm.max_num_batched_tokens, dist)
-    return llm, eval_llm, memory_plan
-
-
-def plan_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, shape: JobShape, dist: Dist):
-    """This device's memory plan (rl/trainer/memory.py), checked. With train.micro_batch = 0 rank 0 picks
-    the largest micro-batch the plan fits and every rank trains with it (written into cfg, so the run
-    directory's config.json records it); on CUDA the learner's peak is measured at that micro-batch."""
-    t, cuda = cfg.train, model.device.type == "cuda"
-    if cuda:
-        kw = dict(device_bytes=torch.cuda.get_device_properties(model.device).total_memory, device_type="cuda",
-                  reserve=cuda_context_bytes(model.device) + CUDA_WORKSPACE_BYTES)
-    else:
-        kw = dict(device_bytes=host_memory_per_rank()[0], device_type="cpu")
-    kw["world_size"] = dist.world
-    micro = None  # one process: plan_job picks it below
-    if not t.micro_batch and dist.enabled:  # one choice for every rank (their budgets may differ by a little)
-        plan = plan_job(cfg, shape, **kw) if dist.rank == 0 else None
-        micro = dist.broadcast_object(plan.micro_batch if plan is not None else None)
-    measure = (lambda m: learner_peak(model, cfg, m, shape.max_model_len, CudaPeak(model.device))) if cuda else None
-    plan = plan_job(cfg, shape, measure=measure, micro_batch=micro, **kw)
-    most = sequences_per_rank(cfg, dist.world)
-    if not t.micro_batch and plan.micro_batch < most:
-        t.micro_batch = plan.micro_batch
-        if dist.is_main:
-            print(f"train.micro_batch = 0: micro-batches of {plan.micro_batch} sequences (of {most} per rank), "
-                  "the largest the memory plan fits", flush=True)
-    if cuda and dist.is_main:
-        print(f"memory plan: activations: measured {plan.activations / 2**30:.2f} GiB at {plan.micro_batch} x "
-              f"{shape.max_model_len} tokens; KV pool {plan.num_kv_blocks} blocks, B_KV {plan.b_kv}", flush=True)
-    return plan
+        _agree_on_cpu_kernels(model, max(plan.engine.max_num_seqs, plan.eval_engine.max_num_seqs),
+                              llm.max_num_batched_tokens, dist)
+    return llm, eval_llm, plan
 
 
 def _agree_on_cpu_kernels(model: Qwen3ForCausalLM, max_seqs: int, max_tokens: int, dist: Dist) -> None:
@@ -148,13 +118,13 @@ def _agree_on_cpu_kernels(model: Qwen3ForCausalLM, max_seqs: int, max_tokens: in
     ops.KERNELS.configure("torch", table=table)
 
 
-def build_parts(cfg: TrainConfig, dist: Dist) -> JobParts:
+def build_parts(cfg: TrainConfig, dist: Dist, *, pinned_micro_batch: int | None = None) -> JobParts:
     """Everything but the learner, in the order the run's random streams expect: both seeded from
-    run.seed, then the model's initialisation first."""
+    run.seed, then the model's initialisation first. pinned_micro_batch: a resumed run's (plan_job)."""
     g, t = cfg.gen, cfg.train
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
-    model, tok = build_model_and_tokenizer(cfg, dist)
+    model, tok, moe_impl = build_model_and_tokenizer(cfg, dist)
     task = build_task(cfg.task.name, path=cfg.task.path, eval_path=cfg.task.eval_path, reward=cfg.task.reward,
                       num_train=cfg.task.num_train, num_eval=cfg.task.num_eval, seed=cfg.task.seed)
     if t.credit == "token" and task.token_credit is None:
@@ -162,35 +132,35 @@ def build_parts(cfg: TrainConfig, dist: Dist) -> JobParts:
                           f"reverse-digits, shift-digits); task {task.name!r} has only a sequence reward")
     encode = PromptEncoder(tok, chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt)
     eval_sets = build_eval_sets(task, cfg.eval)
-    llm, eval_llm, memory_plan = build_engines(cfg, model, task, encode, eval_sets, dist)
+    llm, eval_llm, plan = build_engines(cfg, model, task, encode, eval_sets, dist, moe_impl=moe_impl,
+                                        pinned_micro_batch=pinned_micro_batch)
+    r = plan.rollout
     sampler = PrioritySampler(len(task.train), cfg.run.seed, enabled=t.priority_sampling)
     if g.filtered and g.logprobs_mode == "raw":
         warnings.warn("gen.top_k / gen.top_p filter the sampled distribution but gen.logprobs_mode = 'raw' "
                       "returns full-vocabulary log-probs: importance ratios are biased; use 'processed'",
                       stacklevel=3)
-    params = SamplingParams(n=t.group_size, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                            max_tokens=g.max_tokens, logprobs_mode=g.logprobs_mode)
+    params = SamplingParams(n=r.group_size, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                            max_tokens=r.max_tokens, logprobs_mode=g.logprobs_mode)
     # where rewards run; a pool spawns its workers now, so they import while the rest is built
     rewards = make_runner(task.reward_fn, cfg.task.reward, workers=cfg.task.reward_workers,
                           timeout=cfg.task.reward_timeout)
     # J's own reward when the task trains on another one (the long tasks: partial credit, J exact match)
     eval_rewards = rewards if task.eval_reward_fn is None else make_runner(
         task.eval_reward_fn, "", workers=cfg.task.reward_workers, timeout=cfg.task.reward_timeout)
-    collector = RolloutCollector(llm, tok, task, group_size=t.group_size, b_train=t.b_train, b_gen=g.b_gen,
-                                 params=params, sampler=sampler, dynamic_sampling=t.dynamic_sampling and t.algo == "grpo",
-                                 max_lag=g.max_lag, max_reward_error_frac=cfg.task.max_reward_error_frac, dist=dist,
+    collector = RolloutCollector(llm, tok, task, group_size=r.group_size, b_train=r.b_train, b_gen=r.b_gen,
+                                 params=params, sampler=sampler, dynamic_sampling=r.dynamic_sampling,
+                                 max_lag=r.max_lag, max_reward_error_frac=cfg.task.max_reward_error_frac, dist=dist,
                                  seed=cfg.run.seed, runner=rewards, encode_prompt=encode,
-                                 token_credit=t.credit == "token")
+                                 token_credit=r.token_credit)
     evaluator = Evaluator(eval_llm, encode, eval_rewards, tok, eval_sets, cfg.eval, max_tokens=g.max_tokens,
                           seed=cfg.run.seed, max_error_frac=cfg.task.max_reward_error_frac, dist=dist)
     return JobParts(model=model, tok=tok, task=task, encode=encode, eval_sets=eval_sets, llm=llm, eval_llm=eval_llm,
-                    memory_plan=memory_plan, sampler=sampler, rewards=rewards, eval_rewards=eval_rewards,
+                    plan=plan, sampler=sampler, rewards=rewards, eval_rewards=eval_rewards,
                     collector=collector,
                     evaluator=evaluator)
 
 
-def build_learner(cfg: TrainConfig, model: Qwen3ForCausalLM, dist: Dist) -> Learner:
-    """The learner over the job's model, with the engine's sampling settings (the log-prob definition)."""
-    g = cfg.gen
-    return Learner(model, cfg.train, temperature=g.temperature, replay_routing=g.record_routing,
-                   logprobs_mode=g.logprobs_mode, top_k=g.top_k, top_p=g.top_p, dist=dist)
+def build_learner(spec: LearnerSpec, model: Qwen3ForCausalLM, dist: Dist) -> Learner:
+    """The learner over the job's model from its spec (the engine's log-prob definition included)."""
+    return Learner(model, spec, dist=dist)

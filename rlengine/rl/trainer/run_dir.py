@@ -1,6 +1,7 @@
 """Run directories: the saved config of a run and what a resume may change in it.
 
-A run directory holds config.json, metrics.jsonl and checkpoints/ (checkpoint.py); `rlengine train
+A run directory holds config.json (what the user wrote), plan.json (what the plan stage resolved
+from it on this machine), metrics.jsonl and checkpoints/ (checkpoint.py); `rlengine train
 --resume DIR` reads DIR's config back through resume_config, with only the overrides that keep
 the run's meaning.
 """
@@ -71,7 +72,7 @@ def keep_metrics_through(resume_dir: Path, run_dir: Path, update: int, cfg: Trai
     return [json.loads(ln) for ln in kept]
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "telemetry.json")
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "telemetry.json", "plan.json")
 
 
 def holds_run(path: Path) -> bool:
@@ -116,3 +117,15 @@ def start_new_run(path: Path, cfg: TrainConfig, outputs) -> None:
     clear_run(path)
     (path / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     outputs.reset()
+
+
+def write_plan(path: Path, plan, *, announce: bool) -> None:
+    """Rank 0: RUN_DIR/plan.json (JobPlan.to_dict: rewritten on every start, resumes included, since the
+    plan depends on the machine), and with `announce` one line of it on the console."""
+    (path / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2, default=str))
+    if announce:
+        r, e, lr = plan.rollout, plan.engine, plan.learner
+        micro = lr.micro_batch or "the rank's whole share"
+        print(f"plan: B_train {r.b_train} (P {r.prompts_per_step} x G {r.group_size}), B_gen {r.b_gen}, "
+              f"{lr.algo} ({lr.algorithm.estimator_name} + {lr.algorithm.loss_name}), micro-batch {micro}, "
+              f"KV blocks {e.num_kv_blocks}, backend {e.attention_backend} ({path / 'plan.json'})", flush=True)

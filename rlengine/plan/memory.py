@@ -1,7 +1,7 @@
 """The memory plan of a job: analysis.memory_plan's pure arithmetic applied to a TrainConfig.
 
-The job-level glue lives here, not in analysis/: reading the model's config (a preset or a
-checkpoint directory), the engines' max_model_len and batch from the task, the device's memory,
+The job-level glue lives here, not in analysis/: reading the model's config (a preset, a
+checkpoint directory or a hub id), the engines' max_model_len and batch from the task, the device's memory,
 the default micro-batch, and the measured learner peak on CUDA. `rlengine info --plan`, the
 launcher's `--nproc` check and the trainer's engine sizing all come through plan_for_config.
 
@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from rlengine.analysis.activations import activation_parts
 from rlengine.analysis.memory_plan import GiB, MemoryPlan, plan_memory, sampler_bytes
-from rlengine.model.config import ModelConfig, preset
+from rlengine.model.config import ModelConfig
+from rlengine.model.factory import model_config as factory_model_config
 from rlengine.model.factory import tokenizer_for
-from rlengine.model.loader import load_model_config
+from rlengine.rl.algo.registry import algorithm
 from rlengine.rl.data.tasks import build_task
 
 CPU_PROCESS_BYTES = 3 * GiB // 2      # interpreter, torch, the extensions, allocator slack (1-1.5 GB measured)
@@ -45,8 +45,8 @@ class JobShape:
     eval_seqs: int
 
 
-def model_config(name: str) -> ModelConfig:
-    return load_model_config(name) if Path(name).is_dir() else preset(name)
+def model_config(name: str, revision: str = "") -> ModelConfig:
+    return factory_model_config(name, revision=revision or None)  # a preset, a directory or a hub id
 
 
 def job_shape(tc) -> JobShape:
@@ -59,9 +59,9 @@ def job_shape(tc) -> JobShape:
     task = build_task(t.name, path=t.path, eval_path=t.eval_path, reward=t.reward, num_train=t.num_train,
                       num_eval=t.num_eval, seed=t.seed)
     eval_problems = [p for es in build_eval_sets(task, tc.eval) for p in es.problems] if tc.eval.sets else task.eval
-    encode = tokenizer_for(tc.model.name).encode
+    encode = tokenizer_for(tc.model.name, revision=tc.model.revision, tokenizer=tc.model.tokenizer or None).encode
     return shape_of(tc, [len(encode(p.prompt)) for p in task.train + eval_problems], len(eval_problems),
-                    model_config(tc.model.name).max_position_embeddings)
+                    model_config(tc.model.name, tc.model.revision).max_position_embeddings)
 
 
 def shape_of(tc, prompt_lens: Sequence[int], eval_problems: int, max_positions: int) -> JobShape:
@@ -101,7 +101,7 @@ def plan_for_config(tc, *, device_bytes: int, max_model_len: int, eval_seqs: int
     whole share; PPO adds the critic's saved tensors, estimated). reserve: default the module docstring's. world_size: ranks of the run
     (train.parallel = fsdp shards the training state over them). check: raise if it does not fit.
     """
-    cfg = model_config(tc.model.name)
+    cfg = model_config(tc.model.name, tc.model.revision)
     t, g = tc.train, tc.gen
     most = sequences_per_rank(tc, world_size)
     micro = micro_batch or (min(t.micro_batch, most) if t.micro_batch else most)
@@ -110,21 +110,22 @@ def plan_for_config(tc, *, device_bytes: int, max_model_len: int, eval_seqs: int
     act = activation_parts(cfg, micro * max_model_len, tc.model.dtype, checkpointing=t.activation_checkpointing,
                            head=head, mode=mode)
     activations = act.total if activations is None else activations
-    if t.algo == "ppo":  # the critic trunk's saved tensors (<= the actor's) live through the actor's backward
+    critic = algorithm(t.algo).critic
+    if critic:  # the critic trunk's saved tensors (<= the actor's) live through the actor's backward
         activations += act.saved
     if reserve is None:
         reserve = CUDA_CONTEXT_BYTES + CUDA_WORKSPACE_BYTES if device_type == "cuda" else CPU_PROCESS_BYTES
     kv_blocks = g.num_kv_blocks or None
     if kv_blocks is None and device_type != "cuda":  # the CPU trainer's pool: the larger engine at full length
-        kv_blocks = max(g.b_gen, eval_seqs) * -(-max_model_len // g.block_size)
+        kv_blocks = max(tc.b_gen, eval_seqs) * -(-max_model_len // g.block_size)
     plan = plan_memory(
         cfg, device_bytes=device_bytes, dtype=tc.model.dtype, max_model_len=max_model_len,
         micro_batch_tokens=micro * max_model_len, block_size=g.block_size, master_weights=t.master_weights,
-        critic=t.algo == "ppo", kl_reference=t.kl_coef > 0 or t.kl_in_reward, ref_offload=t.ref_offload,
+        critic=critic, kl_reference=t.kl_coef > 0 or t.kl_in_reward, ref_offload=t.ref_offload,
         activation_checkpointing=t.activation_checkpointing, head=head, logprobs_mode=mode,
-        activations=activations, activations_measured=measured, sampler=sampler_bytes(max(g.b_gen, eval_seqs), cfg.vocab_size, tc.model.dtype,
+        activations=activations, activations_measured=measured, sampler=sampler_bytes(max(tc.b_gen, eval_seqs), cfg.vocab_size, tc.model.dtype,
                                                        filtered=g.filtered),
-        reserve=reserve, alpha=alpha, b_gen=g.b_gen, group_size=t.group_size,
+        reserve=reserve, alpha=alpha, b_gen=tc.b_gen, group_size=t.group_size,
         fsdp_shards=world_size if t.parallel == "fsdp" else 1, num_kv_blocks=kv_blocks, micro_batch=micro)
     return plan.check() if check else plan
 

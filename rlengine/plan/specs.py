@@ -1,0 +1,154 @@
+"""The plan's specs: what will run, resolved once from the job's config, the device and the model.
+
+TrainConfig (rl/config) keeps what the user wrote, "0 = auto" included. The plan stage resolves it
+into these frozen records, and everything below the plan (the rollout collector, the learner, the
+engines the trainer builds) reads them, never the raw config:
+
+    RolloutSpec   groups (P, G, B_train), B_gen and lag, sampling, dynamic sampling, rewards
+    EngineSpec    one engine's sizes and kernels: B_gen (max_num_seqs), KV blocks, backend, modes
+    LearnerSpec   the algorithm and its options, micro-batch, LR, precision and parallelism
+    JobPlan       the three above, the eval engine's spec, the memory plan and the run directory
+
+resolve_rollout / resolve_learner hold the arithmetic that needs only the config; the device- and
+model-dependent parts (KV blocks, micro-batch, max_model_len) come from plan/job.py. JobPlan.to_dict
+is what `rlengine info --plan` prints and the run directory keeps as plan.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from rlengine.rl.algo.registry import Algorithm, algorithm
+from rlengine.rl.config import TrainConfig, TrainSection
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutSpec:
+    """How rollouts are made and kept for one update."""
+
+    group_size: int              # G responses per prompt
+    prompts_per_step: int        # P prompts per update
+    b_train: int                 # B_train = P * G retained responses per optimizer update
+    b_gen: int                   # responses in flight (B_gen >= B_train; > B_train: async partial rollouts)
+    max_lag: int                 # partial rollouts older than this many updates are dropped
+    max_tokens: int              # response length cap
+    dynamic_sampling: bool       # drop groups with no signal (only for group-relative estimators)
+    token_credit: bool           # per-token credit (train.credit = "token")
+    overlong: str                # none | mask | soft
+    overlong_buffer: int         # DAPO's L_cache (soft), resolved from gen.max_tokens when 0
+
+    @property
+    def async_mode(self) -> bool:
+        return self.b_gen > self.b_train
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """One engine's construction arguments (LLM keywords), resolved."""
+
+    max_num_seqs: int            # B_gen for the rollout engine; the eval batch for the eval engine
+    num_kv_blocks: int | None    # the pool's blocks (None: the engine sizes it)
+    block_size: int              # P tokens per KV page
+    max_model_len: int           # the longest prompt + response the job can make
+    attention_backend: str       # auto | torch | cpp | triton | flashinfer | ...
+    enforce_eager: bool          # no decode CUDA graphs
+    cpu_kernels: str             # measure | cache | torch | skinny | a table's path
+    batch_invariant: bool        # fixed-order kernels on the engine and the learner
+    shared_prefix_decode: bool | None  # None: the backend's measured default
+    record_routing: bool         # MoE routing replay
+    moe_impl: str                # ref | triton (resolved from auto by device)
+    seed: int
+
+    def llm_kwargs(self) -> dict:
+        """The LLM(...) keywords this spec stands for (the pool is passed separately when shared)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "moe_impl"}
+        return d
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LearnerSpec:
+    """The learner: the algorithm with its options, and the values resolved for this job."""
+
+    algo: str                    # a registered algorithm (rl/algo/registry.py)
+    options: TrainSection        # train.* as the user wrote them (clip, KL, agg, PPO passes, ...)
+    group_size: int              # G (the KL-in-reward estimator regroups the packed batch by it)
+    micro_batch: int             # sequences per micro-batch (0: the rank's whole share)
+    lr: float                    # eta = eta0 * (B_train / B0)^p (train.lr_rule), before the schedule
+    loss_norm_len: int           # seq-mean-token-sum-norm's constant, resolved from gen.max_tokens when 0
+    temperature: float           # the log-prob definition: log_softmax(logits / T), as the engine's
+    logprobs_mode: str           # raw | processed (filtered by top-k / top-p)
+    top_k: int
+    top_p: float
+    replay_routing: bool         # MoE: replay the engine's expert choices
+
+    @property
+    def algorithm(self) -> Algorithm:
+        return algorithm(self.algo)
+
+    @staticmethod
+    def from_options(options: TrainSection, *, temperature: float = 1.0, replay_routing: bool = False,
+                     logprobs_mode: str = "raw", top_k: int = -1, top_p: float = 1.0,
+                     loss_norm_len: int | None = None) -> "LearnerSpec":
+        """A learner spec from train.* alone (callers without a job: benches, tests). micro_batch is
+        train.micro_batch as written (0: no split); loss_norm_len defaults to train.loss_norm_len."""
+        return LearnerSpec(algo=options.algo, options=options, group_size=options.group_size,
+                           micro_batch=options.micro_batch, lr=options.lr_effective,
+                           loss_norm_len=options.loss_norm_len if loss_norm_len is None else loss_norm_len,
+                           temperature=temperature, logprobs_mode=logprobs_mode, top_k=top_k, top_p=top_p,
+                           replay_routing=replay_routing)
+
+
+def saved_micro_batch(run_dir) -> int | None:
+    """The learner micro-batch a run directory's plan.json recorded (None: no plan there, e.g. a run
+    written before the plan stage; 0: the rank's whole share)."""
+    import json
+    from pathlib import Path
+
+    path = Path(run_dir) / "plan.json"
+    try:
+        return int(json.loads(path.read_text())["learner"]["micro_batch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resolve_rollout(cfg: TrainConfig) -> RolloutSpec:
+    """The rollout's spec: every value from the config, "0 = auto" resolved."""
+    t, g = cfg.train, cfg.gen
+    return RolloutSpec(group_size=t.group_size, prompts_per_step=t.prompts_per_step, b_train=t.b_train,
+                       b_gen=cfg.b_gen, max_lag=g.max_lag, max_tokens=g.max_tokens,
+                       dynamic_sampling=t.dynamic_sampling and algorithm(t.algo).group_relative,
+                       token_credit=t.credit == "token", overlong=t.overlong, overlong_buffer=cfg.overlong_buffer)
+
+
+def resolve_learner(cfg: TrainConfig, micro_batch: int) -> LearnerSpec:
+    """The learner's spec with the micro-batch the plan chose (0: the rank's whole share)."""
+    g = cfg.gen
+    return dataclasses.replace(
+        LearnerSpec.from_options(cfg.train, temperature=g.temperature, replay_routing=g.record_routing,
+                                 logprobs_mode=g.logprobs_mode, top_k=g.top_k, top_p=g.top_p,
+                                 loss_norm_len=cfg.loss_norm_len),
+        micro_batch=micro_batch)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobPlan:
+    """Everything resolved for one rank's job."""
+
+    run_dir: str                 # where the run writes (run.out_dir, or runs/<run.name>)
+    rollout: RolloutSpec
+    engine: EngineSpec           # the rollout engine
+    eval_engine: EngineSpec      # the eval engine (shares the rollout engine's KV pool)
+    learner: LearnerSpec
+    memory: object               # analysis.memory_plan.MemoryPlan of this device
+
+    def to_dict(self) -> dict:
+        """Plain values for plan.json and `rlengine info --plan` (the learner's options are the config's)."""
+        learner = {f.name: getattr(self.learner, f.name) for f in dataclasses.fields(self.learner)
+                   if f.name != "options"}
+        mem = self.memory
+        memory = {k: getattr(mem, k) for k in ("micro_batch", "num_kv_blocks", "b_kv", "b_gen", "max_model_len",
+                                               "device_bytes", "activations", "fits") if hasattr(mem, k)}
+        return {"run_dir": self.run_dir, "rollout": dataclasses.asdict(self.rollout),
+                "engine": dataclasses.asdict(self.engine), "eval_engine": dataclasses.asdict(self.eval_engine),
+                "learner": learner, "memory": memory}
