@@ -152,3 +152,59 @@ class JobPlan:
         return {"run_dir": self.run_dir, "rollout": dataclasses.asdict(self.rollout),
                 "engine": dataclasses.asdict(self.engine), "eval_engine": dataclasses.asdict(self.eval_engine),
                 "learner": learner, "memory": memory}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanChange:
+    """A change to a job's plan, as a tuner compares configurations: the rollout's batch and
+    concurrency, the learner's LR rule, the engine's KV pool and the run's length. None keeps the
+    job's own value. apply() gives the changed config (a new frozen TrainConfig, validated as a
+    loaded one); overrides() is the same change as `section.key` pairs for files a person reads
+    (chosen.toml, tune_run.json). _FIELDS is the one place the fields meet the config's keys."""
+
+    b_train: int | None = None           # RolloutSpec.b_train (P = B_train / G)
+    b_gen: int | None = None             # RolloutSpec.b_gen (0: coupled, = B_train)
+    max_lag: int | None = None           # RolloutSpec.max_lag
+    lr: float | None = None              # eta0 at b0 (LearnerSpec.lr = the LR rule's eta from it)
+    b0: int | None = None                # the LR rule's reference batch
+    lr_rule: str | None = None           # sqrt | linear | none
+    num_kv_blocks: int | None = None     # EngineSpec.num_kv_blocks (an emulated KV capacity)
+    updates: int | None = None           # the run's optimizer updates
+    eval_every_responses: int | None = None  # the evaluation grid on the N axis
+
+    _FIELDS = {"b_train": ("train", "b_train"), "b_gen": ("gen", "b_gen"), "max_lag": ("gen", "max_lag"),
+               "lr": ("train", "lr"), "b0": ("train", "b0"), "lr_rule": ("train", "lr_rule"),
+               "num_kv_blocks": ("gen", "num_kv_blocks"), "updates": ("train", "updates"),
+               "eval_every_responses": ("eval", "every_responses")}
+
+    def values(self) -> dict:
+        """The fields this change sets (name -> value), in declaration order."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    def overrides(self) -> tuple[tuple[str, object], ...]:
+        """The change as (section.key, value) pairs."""
+        return tuple((".".join(self._FIELDS[k]), v) for k, v in self.values().items())
+
+    def apply_to_dict(self, job: dict) -> dict:
+        """A copy of a config dict (TrainConfig.to_dict()) with this change; B_train also sets P = B_train / G."""
+        d = {s: dict(v) if isinstance(v, dict) else v for s, v in job.items()}
+        for name, value in self.values().items():
+            section, key = self._FIELDS[name]
+            d[section][key] = value
+            if name == "b_train":  # the pair's other half follows (both are in a saved config)
+                d["train"]["prompts_per_step"] = 0
+        return d
+
+    def apply(self, cfg: TrainConfig) -> TrainConfig:
+        """cfg with this change, validated (ConfigError as for a loaded config); cfg is unchanged."""
+        return TrainConfig.from_dict(self.apply_to_dict(cfg.to_dict()))
+
+    @staticmethod
+    def from_overrides(pairs) -> "PlanChange":
+        """The change of (section.key, value) pairs (tune_run.json, a worker's task); a key no field maps
+        to is a ValueError."""
+        by_key = {".".join(v): k for k, v in PlanChange._FIELDS.items()}
+        unknown = [k for k, _ in pairs if k not in by_key]
+        if unknown:
+            raise ValueError(f"PlanChange: no field for {unknown}; known: {sorted(by_key)}")
+        return PlanChange(**{by_key[k]: v for k, v in pairs})

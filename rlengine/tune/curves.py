@@ -17,15 +17,14 @@ from pathlib import Path
 from typing import Sequence
 
 from rlengine.analysis.accounting import value_at
+from rlengine.rl.algo.schedule import lr_by_rule
 from rlengine.tune.stats import monotone_crossing
 from rlengine.tune.stage_records import CandidateStats, EngineFacts, RunCurve, TargetHit
 
 
 def lr_effective(train: dict) -> float:
-    """eta = lr * (B_train / B0)^p of a saved [train] section (TrainSection.lr_effective)."""
-    b0 = train.get("b0") or train["b_train"]
-    power = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}[train.get("lr_rule", "sqrt")]
-    return train["lr"] * (train["b_train"] / b0) ** power
+    """eta of a saved [train] section: the LR rule (schedule.lr_by_rule, as TrainSection.lr_effective)."""
+    return lr_by_rule(train["lr"], train["b_train"], train.get("b0") or 0, train.get("lr_rule", "sqrt"))
 
 
 def curve_from_records(records: Sequence[dict], config: dict, *, name: str, label: str = "", stage: str = "run",

@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 
 from rlengine.tune.curves import candidate_stats, group_curves, lr_effective, read_run, target_hit
 from rlengine.tune.runner import TrainerRunner, plan_config, run_plans
-from rlengine.tune.stage1 import budgets, curve_overrides, lr_scale, run_stage1
+from rlengine.plan.specs import PlanChange
+from rlengine.tune.stage1 import budgets, curve_change, lr_scale, run_stage1
 from rlengine.tune.stats import faster_per_seed, paired_log_ratio, sign_test_p
 from rlengine.tune.stage2 import run_stage2
 from rlengine.tune.table import build_rows, choose_row
@@ -29,24 +30,24 @@ from rlengine.tune.stage_records import (Confirmation, GenPoint, GenSweep, RunCu
 Runner = Callable[[RunPlan], "RunCurve | None"]
 
 
-def chosen_overrides(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int = 0, scale: float = 1.0) -> tuple:
-    """Overrides that turn the job into a chosen (B_train, B_gen): the sqrt rule from (B0, eta0) times
+def chosen_change(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int = 0, scale: float = 1.0) -> PlanChange:
+    """The change that turns the job into a chosen (B_train, B_gen): the sqrt rule from (B0, eta0) times
     the retune's LR factor, and the lag B_gen implies when async."""
-    over = dict(curve_overrides(spec, b_train, b_gen=b_gen, num_kv_blocks=kv_blocks, lr_scale=scale))
-    over.pop("eval.every_responses")  # how the tune evaluated, not part of the configuration
-    return tuple(over.items())
+    change = curve_change(spec, b_train, b_gen=b_gen, num_kv_blocks=kv_blocks, lr_scale=scale)
+    # how the tune evaluated is not part of the configuration
+    return dataclasses.replace(change, eval_every_responses=None)
 
 
-def confirm(spec: TuneSpec, chosen: tuple[str, tuple], baseline: tuple[str, tuple], runner: Runner,
+def confirm(spec: TuneSpec, chosen: tuple[str, PlanChange], baseline: tuple[str, PlanChange], runner: Runner,
             notes: list[str]) -> tuple[Confirmation | None, list[RunCurve]]:
-    """(label, overrides) of the chosen configuration against a baseline's on spec.confirm_seeds fresh
+    """(label, change) of the chosen configuration against a baseline's on spec.confirm_seeds fresh
     seeds, each to J* (or its budget). The pairs go to the runner as one list, each seed's baseline
     run next to its chosen run, so with two workers the two runs of a seed run side by side."""
     _, every = budgets(spec)
-    job_over = (("eval.every_responses", every),)
-    (label, overrides), (base_label, base_over) = chosen, baseline
-    chosen_over, base_over = tuple(overrides) + job_over, tuple(base_over) + job_over
-    probe = RunPlan(name="x", stage="confirm", label="", seed=0, overrides=(), target_j=None)
+    (label, change), (base_label, base_change) = chosen, baseline
+    chosen_over = dataclasses.replace(change, eval_every_responses=every)
+    base_over = dataclasses.replace(base_change, eval_every_responses=every)
+    probe = RunPlan(name="x", stage="confirm", label="", seed=0, change=PlanChange(), target_j=None)
     if _meaning(spec.job, _with(probe, chosen_over)) == _meaning(spec.job, _with(probe, base_over)):
         notes.append(f"confirmation: the chosen configuration {label} is {base_label}; nothing to compare")
         return None, []
@@ -54,10 +55,10 @@ def confirm(spec: TuneSpec, chosen: tuple[str, tuple], baseline: tuple[str, tupl
     stop = spec.target_j if spec.stop_at_target else None
     plans = []
     for seed in seeds:
-        plans += [RunPlan(name=f"cf-base-s{seed}", stage="confirm", label=base_label, seed=seed, overrides=base_over,
+        plans += [RunPlan(name=f"cf-base-s{seed}", stage="confirm", label=base_label, seed=seed, change=base_over,
                           target_j=stop),
                   RunPlan(name=f"cf-tuned-s{seed}", stage="confirm", label=f"tuned {label}", seed=seed,
-                          overrides=chosen_over, target_j=stop)]
+                          change=chosen_over, target_j=stop)]
     t_c, t_d, end_c, end_d, curves = [], [], [], [], []
     for plan, curve in zip(plans, run_plans(runner, plans)):
         out, end = (t_c, end_c) if plan.name.startswith("cf-tuned") else (t_d, end_d)
@@ -89,14 +90,14 @@ def coupled_best(rows: Sequence[TableRow], reference: str) -> TableRow | None:
     return choose_row(coupled, reference) if any(r.label == reference for r in coupled) else None
 
 
-def baseline_for(spec: TuneSpec, s1, s2, rows: Sequence[TableRow], best: TableRow) -> tuple[str, tuple]:
+def baseline_for(spec: TuneSpec, s1, s2, rows: Sequence[TableRow], best: TableRow) -> tuple[str, PlanChange]:
     """What the confirmation compares the chosen row with: the best coupled configuration
     (T_coupled-best); when the chosen row is that one, the job's own configuration."""
     base = coupled_best(rows, s1.reference)
     if base is not None and base.label != best.label:
-        over = chosen_overrides(spec, base.b_train, base.b_gen, s2.kv_blocks, lr_scale(s1, base.b_train))
-        return f"{base.label} (coupled best)", over
-    return "job", ()
+        change = chosen_change(spec, base.b_train, base.b_gen, s2.kv_blocks, lr_scale(s1, base.b_train))
+        return f"{base.label} (coupled best)", change
+    return "job", PlanChange()
 
 
 def _meaning(job: dict, plan: RunPlan) -> dict:
@@ -111,9 +112,8 @@ def _meaning(job: dict, plan: RunPlan) -> dict:
     return d
 
 
-def _with(plan: RunPlan, overrides: tuple) -> RunPlan:
-    return RunPlan(name=plan.name, stage=plan.stage, label=plan.label, seed=plan.seed, overrides=tuple(overrides),
-                   target_j=plan.target_j)
+def _with(plan: RunPlan, change: PlanChange) -> RunPlan:
+    return dataclasses.replace(plan, change=change)
 
 
 def tune(spec: TuneSpec, out_dir: str | Path, *, runner: Runner | None = None, resume: bool = False,
@@ -133,17 +133,17 @@ def tune(spec: TuneSpec, out_dir: str | Path, *, runner: Runner | None = None, r
     s2 = run_stage2(spec, s1, runner, notes)
     rows = build_rows(list(s1.candidates) + list(s2.rechecks), s1.reference, b_kv=s2.b_kv)
     best = choose_row(rows, s1.reference)
-    conf, curves, over = None, [], ()
+    conf, curves, change = None, [], PlanChange()
     if best is None:
         notes.append("choice: no configuration reached J* on every seed; nothing chosen")
     else:
-        over = chosen_overrides(spec, best.b_train, best.b_gen, s2.kv_blocks, lr_scale(s1, best.b_train))
+        change = chosen_change(spec, best.b_train, best.b_gen, s2.kv_blocks, lr_scale(s1, best.b_train))
         if spec.confirm_seeds:
             base = baseline_for(spec, s1, s2, rows, best)
             log(f"tune: confirmation: {best.label} against {base[0]} on {spec.confirm_seeds} fresh seeds")
-            conf, curves = confirm(spec, (best.label, over), base, runner, notes)
+            conf, curves = confirm(spec, (best.label, change), base, runner, notes)
     result = TuneResult(spec=spec, stage1=s1, stage2=s2, rows=tuple(rows), chosen=best.label if best else "",
-                        chosen_overrides=over, confirmation=conf, confirm_curves=tuple(curves),
+                        chosen_overrides=change.overrides(), confirmation=conf, confirm_curves=tuple(curves),
                         notes=tuple(notes), wall_s=time.perf_counter() - t0, header=run_header(spec, s1),
                         chosen_lr=best.lr if best else 0.0)
     write_report(result, out_dir)

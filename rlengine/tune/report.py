@@ -67,16 +67,13 @@ def to_toml(d: dict) -> str:
 def chosen_toml(result: TuneResult) -> str:
     """The chosen configuration as a job TOML that reads right: the validated config (b_train = P x G,
     prompts_per_step with it), lr = the LR the configuration actually ran with at its own batch (b0 = 0)."""
+    from rlengine.plan.specs import PlanChange
     from rlengine.rl.config import TrainConfig
 
-    job = json.loads(json.dumps(result.spec.job))
-    for key, v in result.chosen_overrides:
-        section, name = key.split(".", 1)
-        job[section][name] = v
-    job["train"]["prompts_per_step"] = int(job["train"]["b_train"]) // int(job["train"]["group_size"])
+    job = PlanChange.from_overrides(result.chosen_overrides).apply_to_dict(json.loads(json.dumps(result.spec.job)))
     job["run"]["out_dir"] = "runs/tuned"
-    cfg = TrainConfig.from_dict(job).to_dict()
-    eta = TrainConfig.from_dict(job).train.lr_effective
+    chosen = TrainConfig.from_dict(job)
+    cfg, eta = chosen.to_dict(), chosen.train.lr_effective
     cfg["train"].update(lr=eta, b0=0)
     t = cfg["train"]
     head = (f"# rlengine tune: {result.chosen} reaches J* = {result.spec.target_j} soonest of the candidates\n"

@@ -1,6 +1,6 @@
 """Executes one RunPlan with rlengine's Trainer: OUT/runs/NAME holds its config, metrics and summary.
 
-The job config is a dict (TrainConfig.to_dict()); a plan's overrides replace single keys and the
+The job config is a dict (TrainConfig.to_dict()); a plan's change (PlanChange) sets single keys and the
 result is validated like any `rlengine train` config. With a target J*, the run ends at the first
 evaluation reaching it (N* and T are then known; the rest of the budget would not change them).
 That stop is the Trainer's own hook, Trainer.run(stop_when=...), checked after each logged update.
@@ -75,14 +75,9 @@ def cpu_phase_timer(device):
 
 
 def plan_config(job: dict, plan: RunPlan, run_dir: Path, *, warmstart_cache: str = "") -> TrainConfig:
-    """The validated TrainConfig of `plan`: the job dict with the plan's overrides and its directory
+    """The validated TrainConfig of `plan`: the job with the plan's change (PlanChange) and its directory
     (and run.warmstart_cache: the tune's runs share each seed's warm start, the same bits)."""
-    d = copy.deepcopy(job)
-    for key, value in plan.overrides:
-        section, name = key.split(".", 1)
-        if section not in d or name not in d[section]:
-            raise ConfigError(f"tune: override {key} names no config field")
-        d[section][name] = value
+    d = plan.change.apply_to_dict(copy.deepcopy(job))
     d["run"].update(out_dir=str(run_dir), seed=plan.seed, progress=False, checkpoint_every=0)
     if warmstart_cache:
         d["run"]["warmstart_cache"] = warmstart_cache

@@ -11,10 +11,12 @@ fixed-LR control runs the largest B_train at eta0 with no rule.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
 from rlengine.model.config import ConfigError
+from rlengine.plan.specs import PlanChange
 from rlengine.tune.curves import candidate_stats, group_curves, lr_effective
 from rlengine.tune.ladder import implied_max_lag, window_point
 from rlengine.tune.retune import retune
@@ -55,19 +57,18 @@ def candidate_batches(spec: TuneSpec) -> list[int]:
     return batches
 
 
-def curve_overrides(spec: TuneSpec, b_train: int, *, rule: str = "sqrt", b_gen: int = 0,
-                    num_kv_blocks: int = 0, lr_scale: float = 1.0) -> tuple:
-    """The overrides of one sample-matched curve at b_train: coupled unless b_gen is given (then
-    gen.max_lag is the lag B_gen implies), the engine's own KV pool unless num_kv_blocks is (stage 2
-    under --kv-bytes), eta0 x lr_scale at B0 (the retune bracket)."""
+def curve_change(spec: TuneSpec, b_train: int, *, rule: str = "sqrt", b_gen: int = 0,
+                 num_kv_blocks: int = 0, lr_scale: float = 1.0) -> PlanChange:
+    """The plan change of one sample-matched curve at b_train: coupled unless b_gen is given (then
+    the lag B_gen implies), the engine's own KV pool unless num_kv_blocks is (stage 2 under
+    --kv-bytes), eta0 x lr_scale at B0 (the retune bracket) under `rule`."""
     b0, eta0 = reference(spec)
     n_max, every = budgets(spec)
-    over = (("train.b_train", b_train), ("train.b0", b0), ("train.lr", eta0 * lr_scale), ("train.lr_rule", rule),
-            ("train.updates", math.ceil(n_max / b_train)), ("gen.b_gen", b_gen or b_train),
-            ("eval.every_responses", every))
-    if b_gen > b_train:  # async: the lag this B_gen implies, so lag aborts do not cap its q
-        over += (("gen.max_lag", implied_max_lag(b_gen, b_train)),)
-    return over + ((("gen.num_kv_blocks", num_kv_blocks),) if num_kv_blocks else ())
+    return PlanChange(b_train=b_train, b0=b0, lr=eta0 * lr_scale, lr_rule=rule, updates=math.ceil(n_max / b_train),
+                      b_gen=b_gen or b_train, eval_every_responses=every,
+                      # async: the lag this B_gen implies, so lag aborts do not cap its q
+                      max_lag=implied_max_lag(b_gen, b_train) if b_gen > b_train else None,
+                      num_kv_blocks=num_kv_blocks or None)
 
 
 def plan_stage1(spec: TuneSpec) -> list[RunPlan]:
@@ -77,11 +78,11 @@ def plan_stage1(spec: TuneSpec) -> list[RunPlan]:
     for seed in spec.seeds:
         for b in batches:
             plans.append(RunPlan(name=f"s1-b{b}-s{seed}", stage="stage1", label=f"{b}", seed=seed,
-                                 overrides=curve_overrides(spec, b), target_j=_stop(spec)))
+                                 change=curve_change(spec, b), target_j=_stop(spec)))
         if spec.fixed_lr:
             b = max(batches)
             plans.append(RunPlan(name=f"ctl-b{b}-fixed-s{seed}", stage="control", label=f"{b} fixed", seed=seed,
-                                 overrides=curve_overrides(spec, b, rule="none"), target_j=_stop(spec)))
+                                 change=curve_change(spec, b, rule="none"), target_j=_stop(spec)))
     return plans
 
 
@@ -109,10 +110,10 @@ def run_stage1(spec: TuneSpec, runner: Runner, notes: list[str]) -> Stage1Result
     scales: dict[int, float] = {}
     if spec.retune:
         def plan_for(b: int, seed: int, f: float, n_cap: float) -> RunPlan:
-            over = dict(curve_overrides(spec, b, lr_scale=f))
-            over["train.updates"] = min(over["train.updates"], math.ceil(n_cap / b))
+            change = curve_change(spec, b, lr_scale=f)
+            change = dataclasses.replace(change, updates=min(change.updates, math.ceil(n_cap / b)))
             return RunPlan(name=f"rt-b{b}-x{f:.3f}-s{seed}", stage="retune", label=f"{b} lr x{f:.3f}", seed=seed,
-                           overrides=tuple(over.items()), target_j=_stop(spec))
+                           change=change, target_j=_stop(spec))
         cands, curves, scales = retune(spec, cands, curves, f"{b0}", window, plan_for, runner, notes, n_max,
                                        win_caps(spec, curves, cands, f"{b0}"))
     for c in cands:

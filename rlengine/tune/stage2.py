@@ -17,13 +17,16 @@ are re-run on every seed to measure their N* again (the re-check).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Sequence
+
+from rlengine.plan.specs import PlanChange
 
 from rlengine.tune.curves import candidate_stats, mean_sd
 from rlengine.tune.ladder import probe_window, run_ladder, window_point
 from rlengine.tune.runner import run_plans
-from rlengine.tune.stage1 import curve_overrides, lr_scale
+from rlengine.tune.stage1 import curve_change, lr_scale
 from rlengine.tune.stage_records import (CandidateStats, EngineFacts, GenPoint, GenSweep, RunCurve, RunPlan, Stage1Result,
                                  Stage2Result, TuneSpec)
 
@@ -80,17 +83,16 @@ def sweep_candidate(spec: TuneSpec, cand: CandidateStats, first: RunCurve, runne
     def plan(b_gen: int, rep: int) -> RunPlan:
         return RunPlan(name=f"p-b{cand.b_train}-g{b_gen}-s{first.seed}-r{rep}", stage="probe",
                        label=f"{cand.b_train} gen {b_gen}", seed=first.seed, target_j=None,
-                       overrides=_probe_overrides(spec, cand.b_train, b_gen, kv_blocks, scale))
+                       change=_probe_change(spec, cand.b_train, b_gen, kv_blocks, scale))
 
     return run_ladder(values, plan, runner, b_train=cand.b_train, label=cand.label, delta=spec.plateau_delta,
                       window_for=lambda g: probe_window(g, cand.b_train, spec.probe_skip, spec.probe_updates),
                       b_kv=b_kv, b_kv_source=b_kv_source, capped=capped)
 
 
-def _probe_overrides(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int, scale: float = 1.0) -> tuple:
-    over = dict(curve_overrides(spec, b_train, b_gen=b_gen, num_kv_blocks=kv_blocks, lr_scale=scale))
-    over["train.updates"] = probe_window(b_gen, b_train, spec.probe_skip, spec.probe_updates)[1]
-    return tuple(over.items())
+def _probe_change(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int, scale: float = 1.0) -> PlanChange:
+    change = curve_change(spec, b_train, b_gen=b_gen, num_kv_blocks=kv_blocks, lr_scale=scale)
+    return dataclasses.replace(change, updates=probe_window(b_gen, b_train, spec.probe_skip, spec.probe_updates)[1])
 
 
 def n_star_mean(cand: CandidateStats) -> float:
@@ -172,8 +174,8 @@ def _recheck(spec, s1, sweeps, survivors, best_score, runner, kv_blocks, notes
         plans = [RunPlan(name=f"rc-b{sw.b_train}-g{sw.critical_b_gen}-s{seed}", stage="recheck",
                          label=f"{sw.b_train} gen {sw.critical_b_gen}", seed=seed,
                          target_j=spec.target_j if spec.stop_at_target else None,
-                         overrides=curve_overrides(spec, sw.b_train, b_gen=sw.critical_b_gen,
-                                                   num_kv_blocks=kv_blocks, lr_scale=lr_scale(s1, sw.b_train)))
+                         change=curve_change(spec, sw.b_train, b_gen=sw.critical_b_gen,
+                                             num_kv_blocks=kv_blocks, lr_scale=lr_scale(s1, sw.b_train)))
                  for seed in spec.seeds]
         curves = []
         for plan, curve in zip(plans, run_plans(runner, plans)):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlengine.plan.specs import PlanChange
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TuneSpec:
@@ -75,14 +77,19 @@ class TuneSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunPlan:
-    """One training run to execute: a named job config plus dotted overrides."""
+    """One training run to execute: the job with a typed change to its plan (PlanChange)."""
 
     name: str                            # unique directory name under OUT/runs
     stage: str                           # stage1 | control | probe | recheck | confirm
     label: str                           # configuration label shared by its seeds, e.g. "128", "512 fixed"
     seed: int
-    overrides: tuple[tuple[str, object], ...]  # (section.key, value) applied on top of the job
+    change: PlanChange                   # what differs from the job: batch, B_gen, LR rule, KV pool, length
     target_j: float | None               # stop at the first evaluation reaching it; None = run all updates
+
+    @property
+    def overrides(self) -> tuple[tuple[str, object], ...]:
+        """The change as (section.key, value) pairs (what tune_run.json and chosen.toml show)."""
+        return self.change.overrides()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

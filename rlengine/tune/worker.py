@@ -14,6 +14,7 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     from rlengine.tune.runner import TrainerRunner, plan_config
+    from rlengine.plan.specs import PlanChange
     from rlengine.tune.stage_records import RunPlan
 
     if len(argv) != 1:
@@ -22,7 +23,7 @@ def main(argv: list[str]) -> int:
     task = json.loads(Path(argv[0]).read_text())
     p = task["plan"]
     plan = RunPlan(name=p["name"], stage=p["stage"], label=p["label"], seed=p["seed"],
-                   overrides=tuple((k, v) for k, v in p["overrides"]), target_j=p["target_j"])
+                   change=PlanChange(**p["change"]), target_j=p["target_j"])
     runner = TrainerRunner(task["job"], task["out_dir"], clock=task["clock"], threads=task["threads"])
     run_dir = runner.root / plan.name
     cfg = plan_config(task["job"], plan, run_dir, warmstart_cache=task.get("warmstart_cache", ""))

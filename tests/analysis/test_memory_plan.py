@@ -116,6 +116,8 @@ def test_plan_for_a_train_config_and_the_cli(capsys):
     out = capsys.readouterr().out
     assert "B_KV = floor((alpha*C_mem - M_weights - M_runtime) / m_KV(S))" in out and "KV pool" in out
     assert "train.micro_batch = 0: micro-batches of" in out and "sampler workspace" in out
+    assert "rollout: group_size=16, prompts_per_step=8, b_train=128, b_gen=128" in out  # the resolved specs
+    assert "learner: algo=grpo" in out
     assert main(["info", "--plan", "rlengine/configs/grpo.toml", "--device-memory", "0.0001"]) == 2
     assert "one group of G=" in capsys.readouterr().err
 

@@ -109,3 +109,35 @@ def test_a_run_directory_from_before_the_plan_stage_resumes_to_the_same_updates(
     want = json.loads((FIXTURES / "run_v0_updates_3_4.json").read_text())
     got = [without_timings(r) for r in history if r["update"] > 2]
     assert got == [without_timings(r) for r in want]
+
+
+def test_a_plan_change_is_the_same_as_its_overrides_and_the_lr_rule_has_one_definition():
+    from rlengine.plan.specs import PlanChange
+    from rlengine.tune.curves import lr_effective
+
+    change = PlanChange(b_train=64, b_gen=256, max_lag=4, lr=1e-3, b0=32, lr_rule="sqrt", updates=7,
+                        eval_every_responses=128, num_kv_blocks=300)
+    base = load_job_config("rlengine/configs/grpo.toml")
+    changed = change.apply(base)
+    assert changed == load_job_config("rlengine/configs/grpo.toml", [f"--{k}={v}" for k, v in change.overrides()])
+    assert changed.train.b_train == 64 and changed.train.prompts_per_step == 64 // base.train.group_size
+    assert base.train.b_train == 128 and PlanChange.from_overrides(change.overrides()) == change
+    assert PlanChange().apply(base) == base
+    with pytest.raises(ValueError, match="no field for"):
+        PlanChange.from_overrides([("train.algo", "ppo")])
+    for rule in ("sqrt", "linear", "none"):  # the tuner's eta of a saved config is the config's own
+        cfg = PlanChange(lr_rule=rule).apply(changed)
+        assert lr_effective(cfg.to_dict()["train"]) == cfg.train.lr_effective
+    assert changed.train.lr_effective == pytest.approx(1e-3 * 2 ** 0.5)
+
+
+def test_the_tuner_describes_candidates_as_plan_changes():
+    from rlengine.plan.specs import PlanChange
+    from rlengine.tune import TuneSpec
+    from rlengine.tune.stage1 import plan_stage1
+
+    job = load_job_config("rlengine/configs/grpo.toml").to_dict()
+    plans = plan_stage1(TuneSpec(job=job, target_j=0.6, b_train=(64, 256), seeds=(0,)))
+    assert all(isinstance(p.change, PlanChange) for p in plans)
+    assert [p.change.b_train for p in plans] == [64, 128, 256] and all(p.change.b_gen == p.change.b_train
+                                                                       for p in plans)

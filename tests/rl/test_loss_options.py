@@ -13,7 +13,9 @@ import torch
 
 from rlengine.rl.algo.advantages import grpo_advantages
 from rlengine.rl.algo.losses import kl_penalty, masked_aggregate, policy_loss
+from rlengine.rl.algo.registry import algorithm
 from rlengine.rl.algo.rollout_is import rollout_is_weights
+from rlengine.rl.config import TrainSection
 from rlengine.rl.distributed import Dist
 from rlengine.rl.learner.batching import pack
 from rlengine.rl.learner.update import combine_passes, grpo_kl_advantages, whiten
@@ -139,7 +141,8 @@ def test_grpo_scores_with_the_kl_folded_in():
                  rewards)
     kl = torch.rand(batch.input_ids.shape[0], generator=g)
     coef = 0.3
-    adv = grpo_kl_advantages(batch, kl, coef=coef, group_size=3, normalize_std=True)
+    adv = grpo_kl_advantages(batch, kl, coef=coef, group_size=3, estimator=algorithm("grpo").estimator,
+                             opts=TrainSection(normalize_std=True))
     v = batch.loss_mask > 0
     scores = torch.tensor([rewards[b] - coef * float(kl[(batch.seq_ids == b) & v].sum()) for b in range(6)])
     want_B = grpo_advantages(scores.view(2, 3)).reshape(-1)

@@ -290,11 +290,12 @@ def test_workers_run_plans_side_by_side_as_in_process(tmp_path):
     runner gives (same J, N and grad norms: training is deterministic given config and seed);
     a worker that fails names its log; a spent budget starts nothing."""
     from rlengine.tune.runner import TrainerRunner, parse_workers
+    from rlengine.plan.specs import PlanChange
     from rlengine.tune.stage_records import RunPlan
 
     job = load_job_config("rlengine/configs/grpo.toml", TINY).to_dict()
     plans = [RunPlan(name=f"w-s{seed}", stage="stage1", label="8", seed=seed, target_j=None,
-                     overrides=(("train.b_train", 8), ("train.updates", 3), ("eval.every_responses", 8)))
+                     change=PlanChange(b_train=8, updates=3, eval_every_responses=8))
              for seed in (0, 1)]
     lines = []
     both = TrainerRunner(job, tmp_path / "par", workers=2, log=lines.append).map(plans)

@@ -12,6 +12,7 @@ import pytest
 
 from rlengine.cli import build_parser, main
 from rlengine.model.config import preset
+from rlengine.plan.specs import PlanChange
 from rlengine.tune import TuneSpec, tune
 from rlengine.tune.ladder import implied_max_lag, probe_order, probe_window, run_ladder, stop_after
 from rlengine.tune.predict import predict_knee
@@ -101,7 +102,7 @@ def _fake_probe(q_of):
 def _ladder(values, q_of, delta=0.1):
     run, calls = _fake_probe(q_of)
     sw = run_ladder(values, lambda g, r: RunPlan(name=f"p-g{g}-r{r}", stage="probe", label=g, seed=0,
-                                                 overrides=(), target_j=None),
+                                                 change=PlanChange(), target_j=None),
                     run, b_train=32, label="32", delta=delta, window_for=lambda g: (1, 6), b_kv=0,
                     b_kv_source="", capped=False)
     return sw, calls

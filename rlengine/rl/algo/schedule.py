@@ -1,4 +1,8 @@
-"""The learning-rate schedule: a factor on train.lr_effective for each update.
+"""The learning rate: the batch-size rule (eta from eta0 at B0) and the schedule's factor per update.
+
+lr_by_rule is the one definition of the paper's LR rule, eta = eta0 * (B_train / B0)^p with
+p = 1/2 (sqrt), 1 (linear) or 0 (none); the job's config and the tuner both call it.
+lr_factor is the schedule, a factor on that eta for each update:
 
 factor(u) for the update with 0-based index u of U = train.updates, W = train.warmup_updates,
 m = train.min_lr_ratio:
@@ -12,6 +16,13 @@ counter from its checkpoint) continues the schedule exactly where it stopped; no
 from __future__ import annotations
 
 import math
+
+LR_RULE_POWERS = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}
+
+
+def lr_by_rule(lr: float, b_train: int, b0: int, rule: str) -> float:
+    """eta = lr * (b_train / b0)^p, p by `rule` (LR_RULE_POWERS); b0 = 0 means b_train (eta = lr)."""
+    return lr * (b_train / (b0 or b_train)) ** LR_RULE_POWERS[rule]
 
 
 def lr_factor(update: int, *, schedule: str, warmup: int, total: int, min_ratio: float) -> float:

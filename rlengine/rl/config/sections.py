@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from rlengine.model.config import ConfigError
 from rlengine.rl.algo.registry import ALGORITHMS, algorithm
+from rlengine.rl.algo.schedule import LR_RULE_POWERS, lr_by_rule
 from rlengine.rl.config.update_options import AGGREGATIONS, UpdateOptions
 from rlengine.rl.config.values import typed
 
@@ -205,7 +206,7 @@ class TrainSection(UpdateOptions):
         object.__setattr__(self, "b_train", self.prompts_per_step * self.group_size)
         _check(self.updates >= 1, f"train.updates must be >= 1, got {self.updates}")
         _check(self.lr >= 0, f"train.lr must be >= 0 (0: a frozen policy), got {self.lr}")
-        _check(self.lr_rule in ("sqrt", "linear", "none"), f"train.lr_rule must be sqrt|linear|none, got {self.lr_rule!r}")
+        _check(self.lr_rule in LR_RULE_POWERS, f"train.lr_rule must be {'|'.join(LR_RULE_POWERS)}, got {self.lr_rule!r}")
         _check(self.agg in AGGREGATIONS, f"train.agg must be {'|'.join(AGGREGATIONS)}, got {self.agg!r}")
         _check(self.credit in ("sequence", "token"), f"train.credit must be sequence|token, got {self.credit!r}")
         _check(self.credit == "sequence" or algo.estimator.token_fn is not None,
@@ -235,10 +236,8 @@ class TrainSection(UpdateOptions):
 
     @property
     def lr_effective(self) -> float:
-        """eta = eta0 * (B_train / B0)^p with p = 1/2 (sqrt), 1 (linear) or 0 (none)."""
-        b0 = self.b0 or self.b_train
-        power = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}[self.lr_rule]
-        return self.lr * (self.b_train / b0) ** power
+        """eta = eta0 * (B_train / B0)^p with p = 1/2 (sqrt), 1 (linear) or 0 (none) (schedule.lr_by_rule)."""
+        return lr_by_rule(self.lr, self.b_train, self.b0, self.lr_rule)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
