@@ -6,6 +6,7 @@ engines the trainer builds) reads them, never the raw config:
 
     RolloutSpec   groups (P, G, B_train), B_gen and lag, sampling, dynamic sampling, rewards
     EngineSpec    one engine's sizes and kernels: B_gen (max_num_seqs), KV blocks, backend, modes
+                  (the engine's own record, rlengine/engine/spec.py: LLM.from_spec builds from it)
     LearnerSpec   the algorithm and its options, micro-batch, LR, precision and parallelism
     JobPlan       the three above, the eval engine's spec, the memory plan and the run directory
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from rlengine.engine.spec import EngineSpec
 from rlengine.rl.algo.registry import Algorithm, algorithm
 from rlengine.rl.config import TrainConfig, TrainSection
 
@@ -41,29 +43,6 @@ class RolloutSpec:
     @property
     def async_mode(self) -> bool:
         return self.b_gen > self.b_train
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineSpec:
-    """One engine's construction arguments (LLM keywords), resolved."""
-
-    max_num_seqs: int            # B_gen for the rollout engine; the eval batch for the eval engine
-    num_kv_blocks: int | None    # the pool's blocks (None: the engine sizes it)
-    block_size: int              # P tokens per KV page
-    max_model_len: int           # the longest prompt + response the job can make
-    attention_backend: str       # auto | torch | cpp | triton | flashinfer | ...
-    enforce_eager: bool          # no decode CUDA graphs
-    cpu_kernels: str             # measure | cache | torch | skinny | a table's path
-    batch_invariant: bool        # fixed-order kernels on the engine and the learner
-    shared_prefix_decode: bool | None  # None: the backend's measured default
-    record_routing: bool         # MoE routing replay
-    moe_impl: str                # ref | triton (resolved from auto by device)
-    seed: int
-
-    def llm_kwargs(self) -> dict:
-        """The LLM(...) keywords this spec stands for (the pool is passed separately when shared)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "moe_impl"}
-        return d
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -96,8 +96,8 @@ def build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode,
     shape = shape_of(cfg, [len(encode(p.prompt)) for p in task.train + eval_problems], len(eval_problems),
                      model.config.max_position_embeddings)
     plan = plan_job(cfg, model, shape, dist, moe_impl=moe_impl, pinned_micro_batch=pinned_micro_batch)
-    llm = LLM(model, **plan.engine.llm_kwargs())
-    eval_llm = LLM(model, kv_pool=llm.kv_pool, **plan.eval_engine.llm_kwargs())
+    llm = LLM.from_spec(model, plan.engine)
+    eval_llm = LLM.from_spec(model, plan.eval_engine, kv_pool=llm.kv_pool)
     if dist.enabled and model.device.type == "cpu" and not model.batch_invariant:
         _agree_on_cpu_kernels(model, max(plan.engine.max_num_seqs, plan.eval_engine.max_num_seqs),
                               llm.max_num_batched_tokens, dist)
