@@ -10,6 +10,7 @@ BENCHMARKS = {
     "ceilings": "this device's copy bandwidth and matmul FLOP/s (the roofline's W and F)",
     "asymmetry": "rollout collection and training time vs batch size; fits d0, d1, gamma",
     "job_ladder": "a job's throughput q over B_gen with the policy frozen (train.lr = 0): the asymmetry on a real job",
+    "costs": "this device's step costs (decode by B_act and context, prefill, learner, optimizer) as a cost table",
     "paged_decode": "paged decode attention kernels (torch reference, C++, Triton): ms, GB/s vs the ceiling",
     "moe": "fused MoE forward and forward+backward against the reference loop over experts: time, TFLOP/s",
     "logprob": "fused LM-head log-prob (+ entropy, + backward) against full [T, V] logits",

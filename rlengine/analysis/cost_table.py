@@ -1,0 +1,91 @@
+"""A device's step costs for one model shape and dtype: what `rlengine bench costs` writes and the
+device clock (re-costing a run's step trace on another device) reads.
+
+A table holds four measured (or modelled) cost curves, each a grid of points in seconds:
+    decode     (B_act, context) -> one decode step  (context: mean tokens attended per sequence)
+    prefill    tokens -> one prefill step
+    learner    tokens -> one learner forward + backward (log-probs, entropy) over that many packed tokens
+    optimizer  one optimizer step over the model's parameters
+with its provenance (device, clocks, commit, versions, how it was made). A modelled table (Eq. 5
+plus a launch floor, made before any run on that device) says so in `kind`, and every figure made
+from it must say so too. JSON on disk (never pickle): CostTable.save / CostTable.load, which checks
+the layout and names the field that is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORMAT = "rlengine.cost_table/1"
+KINDS = ("measured", "modelled")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CostTable:
+    """Step costs of one model shape and dtype on one device."""
+
+    model: str                                   # preset name or checkpoint, as the user named it
+    dtype: str                                   # float32 | bfloat16 | float16
+    kind: str                                    # measured | modelled
+    decode: tuple[tuple[int, int, float], ...]   # (B_act, context tokens, seconds per decode step)
+    prefill: tuple[tuple[int, float], ...]       # (prompt tokens in the step, seconds)
+    learner: tuple[tuple[int, float], ...]       # (packed tokens, seconds of forward + backward)
+    optimizer_s: float                           # seconds of one optimizer step
+    provenance: dict = field(default_factory=dict)  # device, clocks, commit, versions, threads, method
+
+    def __post_init__(self):
+        def bad(what: str) -> ValueError:
+            return ValueError(f"cost table ({self.model}, {self.dtype}): {what}")
+
+        if self.kind not in KINDS:
+            raise bad(f"kind must be {'|'.join(KINDS)}, got {self.kind!r}")
+        if not self.decode or any(len(p) != 3 or p[0] < 1 or p[1] < 1 or not p[2] > 0 for p in self.decode):
+            raise bad("decode needs (B_act >= 1, context >= 1, seconds > 0) points")
+        for name in ("prefill", "learner"):
+            points = getattr(self, name)
+            if any(len(p) != 2 or p[0] < 1 or not p[1] > 0 for p in points):
+                raise bad(f"{name} needs (tokens >= 1, seconds > 0) points")
+        if not self.optimizer_s >= 0:
+            raise bad(f"optimizer_s must be >= 0, got {self.optimizer_s}")
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "model": self.model, "dtype": self.dtype, "kind": self.kind,
+                "decode": [list(p) for p in self.decode], "prefill": [list(p) for p in self.prefill],
+                "learner": [list(p) for p in self.learner], "optimizer_s": self.optimizer_s,
+                "provenance": self.provenance}
+
+    @staticmethod
+    def from_dict(d: dict) -> "CostTable":
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ValueError(f"not a cost table: format must be {FORMAT!r}, got "
+                             f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r}")
+        try:
+            return CostTable(model=str(d["model"]), dtype=str(d["dtype"]), kind=str(d["kind"]),
+                             decode=tuple((int(b), int(c), float(s)) for b, c, s in d["decode"]),
+                             prefill=tuple((int(t), float(s)) for t, s in d["prefill"]),
+                             learner=tuple((int(t), float(s)) for t, s in d["learner"]),
+                             optimizer_s=float(d["optimizer_s"]), provenance=dict(d.get("provenance") or {}))
+        except KeyError as exc:
+            raise ValueError(f"cost table: missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            if str(exc).startswith("cost table"):
+                raise
+            raise ValueError(f"cost table: a point is not (numbers ...): {exc}") from None
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> "CostTable":
+        path = Path(path)
+        try:
+            return CostTable.from_dict(json.loads(path.read_text()))
+        except OSError as exc:
+            raise ValueError(f"cost table {path}: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"cost table {path}: not JSON ({exc})") from None
