@@ -7,14 +7,14 @@ size their pool themselves keep their own sizing."""
 import pytest
 import torch
 
-from rlengine.engine import llm as llm_module
+from rlengine.engine import core as engine_core  # EngineCore sizes a pool it builds itself
 
 KV_TEST_BYTES = 8 * 2**30
 
 
 @pytest.fixture(autouse=True)
 def _bounded_default_kv_pool(monkeypatch):
-    default = llm_module.default_num_blocks
+    default = engine_core.default_num_blocks
 
     def bounded(device, gpu_memory_utilization, max_model_len, budget, per_block, *args):
         if budget is None and gpu_memory_utilization is None and device.type == "cuda":
@@ -22,4 +22,4 @@ def _bounded_default_kv_pool(monkeypatch):
             budget = min(int(free * 0.8), KV_TEST_BYTES)
         return default(device, gpu_memory_utilization, max_model_len, budget, per_block, *args)
 
-    monkeypatch.setattr(llm_module, "default_num_blocks", bounded)
+    monkeypatch.setattr(engine_core, "default_num_blocks", bounded)

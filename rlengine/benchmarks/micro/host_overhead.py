@@ -69,7 +69,7 @@ def measure(B: int, S: int, steps: int, warmup: int = 5) -> dict:
         tokens, logprobs = read_tokens[:len(batch.samples)], read_logprobs[:len(batch.samples)]
         inputs.launched(prep)
         inputs.tokens_read(prep, tokens)
-        llm._postprocess(batch, StepOutput(tokens.tolist(), logprobs.tolist(), None), 0)
+        llm.outputs.process(batch, StepOutput(tokens.tolist(), logprobs.tolist(), None), 0)
         t3 = time.perf_counter()
         if batch.kind == "decode":
             assert len(batch.seqs) == B, "every sequence decodes in every timed step"
