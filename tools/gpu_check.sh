@@ -6,6 +6,12 @@
 # a fresh machine (its own build) stays <= 420 s.
 #   tools/gpu_check.sh test  [COMMIT]   build (a failed build stops the step) + every gpu-marked test,
 #                                       bf16 included, in 4 parallel pytest shards
+#   tools/gpu_check.sh rl    [COMMIT]   the build if the machine has none (<= 150 s), then the training tests
+#                                       (tests/gpu/test_training_gpu.py, 60 s), grpo_long on seed 0 (90 s, stopped
+#                                       by SIGINT at an update boundary: J curve, generation share, update split),
+#                                       the job's q over B_gen with the policy frozen (40 s), the asymmetry at the
+#                                       Qwen3-0.6B shape (40 s) and the cost tables of tiny and Qwen3-0.6B (40 s):
+#                                       <= 420 s in one device call
 #   tools/gpu_check.sh bench [COMMIT]   the build if the machine has none, then ceilings, decode sweep
 #                                       (Qwen3-0.6B shape, CUDA graphs, NVML), paged decode at long contexts,
 #                                       fused MoE fwd+bwd vs torch._grouped_mm, fused log-prob time and memory,
@@ -23,7 +29,7 @@
 set -uo pipefail  # no -e: every part's exit status is checked where it runs
 cd "$(dirname "$0")/.."
 STEP=${1:-}
-case "$STEP" in test|bench) ;; *) echo "usage: $0 test|bench [COMMIT]"; exit 2;; esac
+case "$STEP" in test|bench|rl) ;; *) echo "usage: $0 test|bench|rl [COMMIT]"; exit 2;; esac
 COMMIT=${2:-${RLENGINE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}}
 OUT=${OUT:-bench/results/gpu}
 DRY=${GPU_CHECK_DRY:-0}; [ "$DRY" = "" ] && DRY=0
@@ -116,6 +122,35 @@ run_bench_step() {
   part logprob 20 bench logprob python3 bench/bench_logprob.py "${ceil[@]}" --out "$WORK" || STATUS=1
 }
 
+grpo_long() {  # the long-response job until SIGINT stops it at an update boundary (exit 130: a clean stop)
+  python3 -m rlengine.cli train --config grpo_long --run.seed 0 --run.progress false --run.out_dir "$WORK/grpo_long"
+  local rc=$?; [ "$rc" -eq 130 ] && return 0; return "$rc"
+}
+
+costs() {
+  python3 -m rlengine.cli bench costs --model tiny --out "$WORK" && \
+  python3 -m rlengine.cli bench costs --model qwen3-0.6b --dtype bfloat16 --out "$WORK"
+}
+
+run_rl_step() {
+  [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
+    --format=csv | tee "$WORK/gpu.txt"
+  has_build || build_or_stop 150
+  [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin rl "$WORK"
+  part rl_tests 60 shard rl_tests tests/gpu/test_training_gpu.py || STATUS=1
+  # SIGINT, not SIGTERM-then-KILL: the trainer finishes its update, checkpoints, and metrics.jsonl is whole
+  local start; start=$(date +%s)
+  if [ "$DRY" = 0 ]; then timeout -s INT -k 15 75 bash -c grpo_long > "$WORK/grpo_long.log" 2>&1; fi
+  local rc=$?
+  python3 tools/gpu_check_summary.py part rl "$WORK" grpo_long "$rc" "$(( $(date +%s) - start ))" 90
+  [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || STATUS=1  # 124: stopped by the timeout's SIGINT, as intended
+  part job_ladder 40 bench job_ladder python3 -m rlengine.cli bench job_ladder --config grpo_long \
+    --b-gen 32,128,512,1024 --updates 6 --skip 2 --repeats 1 --out "$WORK" || STATUS=1
+  part asymmetry 40 bench asymmetry python3 -m rlengine.cli bench asymmetry --model qwen3-0.6b --dtype bfloat16 \
+    --device cuda --batches 8,32,64 --reps 1 --out "$WORK" || STATUS=1
+  part costs 40 bench costs costs || STATUS=1
+}
+
 export DRY WORK STEP
-export -f build shard bench
-if [ "$STEP" = test ]; then run_test_step; else run_bench_step; fi
+export -f build shard bench grpo_long costs
+case "$STEP" in test) run_test_step;; bench) run_bench_step;; rl) run_rl_step;; esac

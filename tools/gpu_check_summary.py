@@ -24,6 +24,8 @@ import tarfile
 import xml.etree.ElementTree as ET
 
 TEST_SHARDS = ("paged_decode", "kernels", "engine", "others")
+RL_SHARDS = ("rl_tests",)
+RL_PARTS = ("grpo_long", "job_ladder", "asymmetry", "costs")
 BENCH_PARTS = ("ceilings", "decode", "paged_decode", "bench_moe", "bench_logprob", "shared_prefix")
 
 
@@ -52,9 +54,9 @@ def _load(work: str, name: str):
     return json.load(open(path)) if os.path.exists(path) else None
 
 
-def _test_lines(work: str, goals: dict) -> list[str]:
+def _test_lines(work: str, goals: dict, shards=TEST_SHARDS) -> list[str]:
     lines = []
-    for shard in TEST_SHARDS:
+    for shard in shards:
         path = os.path.join(work, f"junit_{shard}.xml")
         if not os.path.exists(path):
             lines.append(f"tests[{shard}]: NO RESULT (not run, timed out or crashed before writing its junit XML)")
@@ -132,6 +134,48 @@ def _bench_lines(work: str, goals: dict) -> list[str]:
     return lines
 
 
+def _rl_lines(work: str, goals: dict) -> list[str]:
+    """The rl step: its tests, then grpo_long's learning and time split, the q ladder, the fits, the cost tables."""
+    lines = _test_lines(work, goals, RL_SHARDS)
+    metrics = os.path.join(work, "grpo_long", "metrics.jsonl")
+    recs = [json.loads(ln) for ln in open(metrics) if ln.strip()] if os.path.exists(metrics) else []
+    ups = [r for r in recs if r.get("update", 0) > 0 and r.get("t_gen") is not None]
+    if ups:
+        t_gen, t_train = sum(r["t_gen"] for r in ups), sum(r["t_train"] for r in ups)
+        evals = [(r["update"], r["N"], r["J"]) for r in recs if r.get("J") is not None]
+        hit = next(((u, n) for u, n, j in evals if j >= 0.8), None)
+        goals.update(grpo_long_updates=len(ups), grpo_long_gen_share=t_gen / (t_gen + t_train),
+                     grpo_long_J=evals, grpo_long_t_gen=t_gen / len(ups), grpo_long_t_train=t_train / len(ups))
+        lines.append(f"grpo_long seed 0: {len(ups)} updates, J " + ", ".join(f"{j:.2f}@{u}" for u, _, j in evals[-6:])
+                     + (f"; J >= 0.8 at update {hit[0]} (N = {hit[1]})" if hit else "; J >= 0.8 not reached"))
+        lines.append(f"grpo_long generation share {t_gen / (t_gen + t_train):.2f}; per update t_gen "
+                     f"{t_gen / len(ups) * 1e3:.1f} ms, t_train {t_train / len(ups) * 1e3:.1f} ms")
+    ladder = _load(work, "job_ladder.json")
+    if ladder and ladder.get("rows"):
+        goals["job_ladder_q"] = {r["b_gen"]: r["q"] for r in ladder["rows"]}
+        lines.append("grpo_long q over B_gen (policy frozen): " + ", ".join(
+            f"{r['b_gen']}: {r['q']:.0f}/s ({r['q_ratio']:.2f}x)" for r in ladder["rows"]))
+    asym = _load(work, "asymmetry.json")
+    if asym and asym.get("fit"):
+        fit = asym["fit"]
+        goals["asymmetry_fit"] = fit
+        lines.append("asymmetry Qwen3-0.6B shape: " + ", ".join(f"{k} {v:.4g}" for k, v in fit.items()
+                                                                 if isinstance(v, (int, float)))
+                     + f"; critical generation batch {asym.get('critical_generation_batch')}")
+    for path in sorted(glob.glob(os.path.join(work, "costs-*.json"))):
+        t = json.load(open(path))
+        dec = sorted(t.get("decode", []))
+        if dec:
+            lines.append(f"cost table {t['model']} {t['dtype']}: decode {dec[0][2] * 1e3:.3f} ms at B_act {dec[0][0]}, "
+                         f"{dec[-1][2] * 1e3:.3f} ms at B_act {dec[-1][0]}; learner "
+                         + ", ".join(f"{n / s:.0f} tok/s at {n}" for n, s in t.get("learner", [])))
+    missing = [n for n, ok in (("grpo_long", bool(ups)), ("job_ladder", bool(ladder)), ("asymmetry", bool(asym)),
+                               ("costs", bool(glob.glob(os.path.join(work, "costs-*.json"))))) if not ok]
+    if missing:
+        lines.append(f"no result from: {', '.join(missing)} (not run, timed out or failed: see its log)")
+    return lines
+
+
 def _stamp(work: str, commit: str) -> None:
     """The tree on the GPU machine may have no .git: stamp the commit into every result JSON."""
     for path in glob.glob(os.path.join(work, "*.json")):
@@ -152,8 +196,11 @@ def finish(step: str, work: str, out: str, commit: str, status: int) -> int:
              f"{p['seconds']} s of {p['limit']} s" for p in parts]
     if any(p["name"] == "build" and p["rc"] != 0 for p in parts):
         lines.append("BUILD FAILED: the step stopped before its tests and benchmarks (build.log in the archive)")
-    lines += _test_lines(work, goals) if step == "test" else _bench_lines(work, goals)
-    if step == "test" and any(g["failed"] for g in goals.values()) or any(p["rc"] for p in parts):
+    lines += {"test": _test_lines, "bench": _bench_lines, "rl": _rl_lines}[step](work, goals)
+    shards = {"test": TEST_SHARDS, "rl": RL_SHARDS}.get(step, ())
+    failed = any(goals.get(s, {}).get("failed") for s in shards)
+    timed_ok = {"grpo_long"}  # stopped by the timeout's SIGINT on purpose
+    if failed or any(p["rc"] and not (p["name"] in timed_ok and p["rc"] == 124) for p in parts):
         status = status or 1  # a failed test, or a part that failed or timed out, fails the step
     _stamp(work, commit)
     os.makedirs(out, exist_ok=True)
@@ -191,6 +238,9 @@ def _junit(shard: str, failed: bool) -> str:
 def standin(step: str, work: str) -> None:
     """Stand-in results in the shapes the real tests and benches write (GPU_CHECK_DRY=1)."""
     cond = {"conditions": {"device": "stand-in (GPU_CHECK_DRY=1)"}}
+    if step == "rl":
+        _standin_rl(work)
+        return
     if step == "test":
         for shard in TEST_SHARDS:
             open(os.path.join(work, f"junit_{shard}.xml"), "w").write(_junit(shard, shard == "others"))
@@ -212,6 +262,25 @@ def standin(step: str, work: str) -> None:
     for name, data in files.items():
         json.dump({"name": name, **data, **cond}, open(os.path.join(work, f"{name}.json"), "w"))
         open(os.path.join(work, f"{name}.log"), "w").write("stand-in log\n")
+
+
+def _standin_rl(work: str) -> None:
+    open(os.path.join(work, "junit_rl_tests.xml"), "w").write(_junit("rl_tests", False))
+    os.makedirs(os.path.join(work, "grpo_long"), exist_ok=True)
+    recs = [{"update": 0, "N": 0, "J": 0.0}] + [
+        {"update": u, "N": 32 * u, "t_gen": 0.09, "t_train": 0.01, **({"J": min(1.0, u / 20)} if u % 5 == 0 else {})}
+        for u in range(1, 21)]
+    with open(os.path.join(work, "grpo_long", "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+    cond = {"conditions": {"device": "stand-in (GPU_CHECK_DRY=1)"}}
+    json.dump({"name": "job_ladder", "rows": [{"b_gen": 32, "q": 600.0, "q_ratio": 1.0},
+                                              {"b_gen": 1024, "q": 3000.0, "q_ratio": 5.0}], **cond},
+              open(os.path.join(work, "job_ladder.json"), "w"))
+    json.dump({"name": "asymmetry", "rows": [], "fit": {"d0": 0.5, "d1": 0.001, "gamma": 0.002},
+               "critical_generation_batch": 64, **cond}, open(os.path.join(work, "asymmetry.json"), "w"))
+    json.dump({"format": "rlengine.cost_table/1", "model": "tiny", "dtype": "float32", "kind": "measured",
+               "decode": [[1, 32, 0.001], [64, 32, 0.0012]], "prefill": [[64, 0.002]], "learner": [[1024, 0.01]],
+               "optimizer_s": 0.001, "provenance": cond["conditions"]}, open(os.path.join(work, "costs-tiny-float32.json"), "w"))
 
 
 def main(argv: list[str]) -> int:

@@ -67,10 +67,32 @@ def test_part_time_limits_fit_one_call_with_room_for_a_rerun():
     import re
     src = (ROOT / "tools" / "gpu_check.sh").read_text()
     test_body = src[src.index("run_test_step() {"):src.index("bench() {")]
-    bench_body = src[src.index("run_bench_step() {"):]
+    bench_body = src[src.index("run_bench_step() {"):src.index("grpo_long() {")]
     shards = [int(x) for x in re.findall(r"part \w+ (\d+) shard", test_body)]
     test_total = int(re.search(r"build_or_stop (\d+)", test_body).group(1)) + max(shards)
     bench_parts = sum(int(x) for x in re.findall(r"part \w+ (\d+) bench", bench_body))
     bench_build = int(re.search(r"build_or_stop (\d+)", bench_body).group(1))
     assert len(shards) == 4 and test_total + bench_parts <= 540 and bench_build + bench_parts <= 420, (
         test_total, bench_parts, bench_build)
+
+
+def test_the_rl_step_returns_two_files_with_the_summary_last_and_fits_one_call(tmp_path):
+    """The rl step in a dry run: its stand-in tests, grpo_long metrics, q ladder, fits and cost table are read
+    back into summary lines; its parts' limits with its own build (a fresh machine) stay <= 420 s."""
+    import re
+    proc = _run("rl", tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["gpu_check_rl.json", "gpu_check_rl.tar.gz"]
+    summary = json.loads((tmp_path / "gpu_check_rl.json").read_text())
+    assert _last_lines(proc)[-len(summary["summary"]):] == [f"SUMMARY {line}" for line in summary["summary"]]
+    text = "\n".join(summary["summary"])
+    assert "tests[rl_tests]: 1 passed" in text and "generation share 0.90" in text and "J >= 0.8 at update 20" in text
+    assert "1024: 3000/s (5.00x)" in text and "critical generation batch 64" in text and "cost table tiny" in text
+    goals = summary["goals"]
+    assert goals["grpo_long_updates"] == 20 and goals["job_ladder_q"] == {"32": 600.0, "1024": 3000.0}
+    src = (ROOT / "tools" / "gpu_check.sh").read_text()
+    body = src[src.index("run_rl_step() {"):src.index("export DRY WORK STEP")]
+    limits = [int(x) for x in re.findall(r"part \w+ (\d+) ", body)] + [int(x) for x in re.findall(
+        r"gpu_check_summary.py part rl \"\$WORK\" grpo_long \"\$rc\" \"[^\"]+\" (\d+)", body)]
+    build = int(re.search(r"build_or_stop (\d+)", body).group(1))
+    assert len(limits) == 5 and build + sum(limits) <= 420, (build, limits)
