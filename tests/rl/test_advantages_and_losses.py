@@ -12,6 +12,7 @@ import torch
 
 from rlengine.rl.algo.advantages import gae, grpo_advantages
 from rlengine.rl.algo.losses import kl_k3, masked_aggregate, policy_loss, value_loss
+from rlengine.rl.algo.registry import POLICY_LOSSES
 
 
 def _close(got, want, atol=1e-6):
@@ -121,18 +122,30 @@ def _packed_batch(lengths, prompt_lens, seed):
             "seq_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])}
 
 
-def _losses(theta, v_head, b, sl, agg, tok_norm, seq_norm):
-    """Policy + value loss of the sequences in slice `sl`, with seq_ids re-based to the micro-batch."""
+def _losses(theta, v_head, b, sl, agg, tok_norm, seq_norm, loss="vanilla"):
+    """Policy (registry loss `loss`) + value loss of the sequences in slice `sl`, with seq_ids re-based to
+    the micro-batch. A loss with its own aggregation (PolicyLoss.agg) gets that aggregation's count."""
     x, mask, seq_ids = b["x"][sl], b["mask"][sl], b["seq_ids"][sl] - b["seq_ids"][sl][0]
     logp = torch.log_softmax(x @ theta, dim=-1).gather(1, b["targets"][sl, None]).squeeze(1)
     norm = tok_norm if agg == "token-mean" else seq_norm
-    pl, _ = policy_loss(logp, b["old"][sl], b["adv"][sl], mask, seq_ids, agg=agg, normalizer=norm)
+    entry = POLICY_LOSSES[loss]
+    pg_agg = entry.agg or agg
+    pg_norm = None if tok_norm is None else (tok_norm if pg_agg == "token-mean" else seq_norm)
+    opts = {"dro_beta": 0.3} if loss == "dro" else {}
+    pl, _ = entry.fn(logp, b["old"][sl], b["adv"][sl], mask, seq_ids, agg=pg_agg, normalizer=pg_norm, **opts)
     vl, _ = value_loss(x @ v_head, b["old_v"][sl], b["returns"][sl], mask, seq_ids, agg=agg, normalizer=norm)
     return pl + vl
 
 
+# clip_cov / kl_cov pick their tokens by a covariance over the tokens of one call, as verl does (one
+# micro-batch): their update depends on the split, which this test must show (strict xfail).
+_PER_CALL = pytest.mark.xfail(strict=True, reason="token selection per micro-batch, as in verl")
+
+
+@pytest.mark.parametrize("loss", [pytest.param(n, marks=_PER_CALL) if n in ("clip_cov", "kl_cov") else n
+                                  for n in POLICY_LOSSES])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean"])
-def test_micro_batches_sum_to_full_batch_gradient(agg):
+def test_micro_batches_sum_to_full_batch_gradient(agg, loss):
     # Six sequences of different lengths (and prompt lengths) split 2 / 3 / 1 into micro-batches.
     lengths, prompts = [3, 7, 1, 12, 5, 9], [1, 2, 0, 4, 1, 3]
     b = _packed_batch(lengths, prompts, seed=0)
@@ -140,13 +153,13 @@ def test_micro_batches_sum_to_full_batch_gradient(agg):
     v_head = torch.randn(4, generator=torch.Generator().manual_seed(2), requires_grad=True)
     tok_norm, seq_norm = b["mask"].sum(), len(lengths)
 
-    full = _losses(theta, v_head, b, slice(0, sum(lengths)), agg, None, None)
+    full = _losses(theta, v_head, b, slice(0, sum(lengths)), agg, None, None, loss)
     full_grads = torch.autograd.grad(full, (theta, v_head))
 
     bounds = [0, 3 + 7, 3 + 7 + 1 + 12 + 5, sum(lengths)]
     micro_total = 0.0
     for lo, hi in itertools.pairwise(bounds):
-        micro = _losses(theta, v_head, b, slice(lo, hi), agg, tok_norm, seq_norm)
+        micro = _losses(theta, v_head, b, slice(lo, hi), agg, tok_norm, seq_norm, loss)
         micro.backward()
         micro_total = micro_total + micro.detach()
     _close(micro_total, full.detach(), atol=1e-6)
@@ -155,7 +168,8 @@ def test_micro_batches_sum_to_full_batch_gradient(agg):
 
     # Sensitivity check: averaging the micro-batch means (local normalizers) is NOT the full gradient.
     theta.grad = None
-    naive = sum(_losses(theta, v_head, b, slice(lo, hi), agg, None, None) for lo, hi in itertools.pairwise(bounds))
+    naive = sum(_losses(theta, v_head, b, slice(lo, hi), agg, None, None, loss)
+                for lo, hi in itertools.pairwise(bounds))
     (naive / 3).backward()
     assert (theta.grad - full_grads[0]).norm() / full_grads[0].norm() > 1e-3
 

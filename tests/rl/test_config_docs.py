@@ -5,7 +5,8 @@ import dataclasses
 from rlengine.cli import main
 from rlengine.rl.config import load_job_config
 from rlengine.rl.config.docs import FIELD_DOCS
-from rlengine.rl.config.sections import _SECTION_TYPES, TrainConfig
+from rlengine.rl.config.sections import _SECTION_TYPES
+from rlengine.rl.config.train_config import TrainConfig
 from rlengine.rl.config.show import field_rows
 
 

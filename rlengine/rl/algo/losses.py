@@ -30,6 +30,11 @@ AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
 
+def wide(x: Tensor) -> Tensor:
+    """x in at least fp32 (bf16 -> fp32, fp64 stays fp64): losses and aggregates never compute below fp32."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def masked_aggregate(loss_T: Tensor, mask_T: Tensor, seq_ids_T: Tensor | None = None, *,
                      agg: str = "token-mean", normalizer: float | Tensor | None = None, norm_len: int = 0) -> Tensor:
     """Reduce a per-token quantity [T] to a scalar by `agg` (see module docstring).
@@ -38,14 +43,15 @@ def masked_aggregate(loss_T: Tensor, mask_T: Tensor, seq_ids_T: Tensor | None = 
     masked_aggregate(kl_k3(logp, ref_logp), mask, seq_ids, agg=..., normalizer=...).
     seq_ids_T is required for the seq-* modes, norm_len >= 1 for "seq-mean-token-sum-norm". No host
     sync: per-sequence sums go into a [T] buffer (there are never more sequences than tokens).
-    Returns an fp32 0-dim tensor.
+    Returns a 0-dim tensor in fp32 (fp64 for fp64 inputs).
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"agg must be one of {AGGREGATIONS}, got {agg!r}")
     if loss_T.shape != mask_T.shape or loss_T.dim() != 1:
         raise ValueError(f"loss_T {tuple(loss_T.shape)} and mask_T {tuple(mask_T.shape)} must be the same [T] shape")
-    m = mask_T.to(torch.float32)
-    masked = loss_T.float() * m
+    masked = wide(loss_T)
+    m = mask_T.to(masked.dtype)
+    masked = masked * m
     if agg == "token-mean":
         total, count = masked.sum(), m.sum()
     elif seq_ids_T is None or seq_ids_T.shape != loss_T.shape:
@@ -88,9 +94,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, seq_i
         raise ValueError(f"policy_loss: need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"policy_loss: clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
-    log_ratio = (logp.float() - old_logp.detach().float()).clamp(-log_ratio_clamp, log_ratio_clamp)
+    log_ratio = (wide(logp) - wide(old_logp.detach())).clamp(-log_ratio_clamp, log_ratio_clamp)
     ratio = torch.exp(log_ratio)
-    a = adv.detach().float()
+    a = wide(adv.detach())
     unclipped = -a * ratio
     clipped = -a * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_T = torch.maximum(unclipped, clipped)
@@ -100,7 +106,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, seq_i
         dual = (a < 0) & (loss_T > bound)
         loss_T = torch.where(a < 0, torch.minimum(loss_T, bound), loss_T)
     if weights is not None:
-        loss_T = loss_T * weights.detach().float()
+        loss_T = loss_T * wide(weights.detach())
     loss = masked_aggregate(loss_T, mask, seq_ids, agg=agg, normalizer=normalizer, norm_len=norm_len)
     with torch.no_grad():
         cut = clipped > unclipped
@@ -168,3 +174,23 @@ def kl_k3(logp: Tensor, ref_logp: Tensor, *, log_ratio_clamp: float = 20.0) -> T
 def _token_mean(x_T: Tensor, mask_T: Tensor) -> Tensor:
     m = mask_T.float()
     return (x_T * m).sum() / m.sum().clamp(min=1.0)
+
+
+def token_metrics(log_ratio_T: Tensor, mask_T: Tensor, cut_T: Tensor | None, adv_T: Tensor,
+                  dual_T: Tensor | None = None) -> dict[str, Tensor]:
+    """The learner's policy-loss metrics (policy_loss's docstring), detached, over the valid tokens:
+    cut_T marks tokens whose gradient the loss cuts (None: none), split by the advantage's sign."""
+    with torch.no_grad():
+        log_r = log_ratio_T.detach()
+        ratio = torch.exp(log_r)
+        cut = torch.zeros_like(log_r, dtype=torch.bool) if cut_T is None else cut_T.detach().bool()
+        zero = torch.zeros_like(cut)
+        return {
+            "clip_frac": _token_mean(cut.to(log_r.dtype), mask_T),
+            "clip_frac_low": _token_mean((cut & (adv_T < 0)).to(log_r.dtype), mask_T),
+            "clip_frac_high": _token_mean((cut & (adv_T > 0)).to(log_r.dtype), mask_T),
+            "clip_frac_dual": _token_mean((zero if dual_T is None else dual_T.bool()).to(log_r.dtype), mask_T),
+            "approx_kl": _token_mean(ratio - 1.0 - log_r, mask_T),
+            "ratio_mean": _token_mean(ratio, mask_T),
+            "ratio_max": torch.where(mask_T > 0, ratio, torch.zeros_like(ratio)).max() if ratio.numel() else ratio.sum(),
+        }

@@ -13,17 +13,27 @@ core_algos:
 
 Signatures. An outcome estimator (critic=False) maps [P, G] fp32 rewards and the update options
 (LearnerSpec.options: train.* as the user wrote them) to [P, G] advantages; its optional token_fn
-maps one group's per-token credits to per-token advantages (train.credit = "token"). A critic
-estimator's fn is GAE-shaped (rewards_BT, values_BT, mask_BT, *, gamma, lam) and runs in the
-learner, which owns the values. A policy loss has losses.policy_loss's signature.
+maps one group's per-token credits to per-token advantages (train.credit = "token"). An estimator
+that needs per-token rewards or the response mask (response lengths, discounted returns, whitening
+over tokens) has fn = None and a token_level_fn(rewards_BT, mask_BT, index_B, opts) -> [B, T]
+(estimators.py). A critic estimator's fn is GAE-shaped (rewards_BT, values_BT, mask_BT, *, gamma, lam)
+and runs in the learner, which owns the values. A policy loss has losses.policy_loss's signature plus
+the keywords named in its `options` (train.* fields under verl's names).
+
+Beyond grpo and gae, the estimators and losses carry verl 0.9.1's names and definitions
+(core_algos.py; tests/rl/test_verl_parity.py checks them against values verl computed). train.algo
+is a shorthand for one pairing; train.adv_estimator and train.policy_loss override its parts
+(combination()).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 from rlengine.model.config import ConfigError
+from rlengine.rl.algo import cov_losses, estimators, policy_losses
 from rlengine.rl.algo.advantages import gae, grpo_advantages, grpo_token_advantages
 from rlengine.rl.algo.losses import policy_loss
 
@@ -33,10 +43,13 @@ class Estimator:
     """An advantage estimator."""
 
     name: str
-    fn: Callable                    # outcome: fn(rewards_PG, opts) -> [P, G]; critic: GAE-shaped (docstring)
+    fn: Callable | None             # outcome: fn(rewards_PG, opts) -> [P, G]; critic: GAE-shaped (docstring)
     critic: bool                    # advantages from a learned value (the learner runs fn with its critic)
     group_relative: bool            # compares a prompt's G responses: G >= 2, dynamic sampling applies
     token_fn: Callable | None = None  # per-token credit: fn(credits_G, opts) -> [G][len]; None: sequence only
+    # token-level: fn(rewards_BT, mask_BT, index_B, opts) -> [B, T] over right-aligned response rows
+    token_level_fn: Callable | None = None
+    needs: tuple[str, ...] = ()     # per-token rollout inputs beyond rewards and mask (rlengine records none yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +58,8 @@ class PolicyLoss:
 
     name: str
     fn: Callable
+    options: tuple[str, ...] = ()   # train.* fields the learner passes as keywords (verl's names)
+    agg: str | None = None          # the aggregation the loss always uses (its normaliser); None = train.agg
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,18 +96,19 @@ ALGORITHMS: dict[str, Algorithm] = {}
 
 
 def register_estimator(name: str, *, critic: bool = False, group_relative: bool = True,
-                       token_fn: Callable | None = None):
-    """Decorator: register fn as the advantage estimator `name`."""
+                       token_fn: Callable | None = None, token_level: bool = False, needs: tuple[str, ...] = ()):
+    """Decorator: register fn as the advantage estimator `name` (token_level: fn is a token_level_fn)."""
     def add(fn):
-        ESTIMATORS[name] = Estimator(name, fn, critic, group_relative and not critic, token_fn)
+        ESTIMATORS[name] = Estimator(name, None if token_level else fn, critic, group_relative and not critic,
+                                     token_fn, fn if token_level else None, needs)
         return fn
     return add
 
 
-def register_policy_loss(name: str):
-    """Decorator: register fn as the policy loss `name`."""
+def register_policy_loss(name: str, *, options: tuple[str, ...] = (), agg: str | None = None):
+    """Decorator: register fn as the policy loss `name`, reading train.<option> for each of `options`."""
     def add(fn):
-        POLICY_LOSSES[name] = PolicyLoss(name, fn)
+        POLICY_LOSSES[name] = PolicyLoss(name, fn, options, agg)
         return fn
     return add
 
@@ -114,6 +130,33 @@ def algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 
 
+def combination(name: str, adv_estimator: str = "", policy_loss: str = "") -> Algorithm:
+    """train.algo `name` with train.adv_estimator / train.policy_loss overriding its parts ("" = its own).
+    ConfigError naming the field for an unknown name or a pairing that cannot run: an estimator whose
+    need for a critic differs from the algorithm's (train.algo decides whether a critic trains), or
+    one that needs per-token rollout inputs rlengine does not record."""
+    base = algorithm(name)
+    est, loss = adv_estimator or base.estimator_name, policy_loss or base.loss_name
+    if est not in ESTIMATORS:
+        raise ConfigError(f"train.adv_estimator must be one of {'|'.join(ESTIMATORS)} (or \"\"), got {est!r}")
+    if loss not in POLICY_LOSSES:
+        raise ConfigError(f"train.policy_loss must be one of {'|'.join(POLICY_LOSSES)} (or \"\"), got {loss!r}")
+    e = ESTIMATORS[est]
+    if e.critic and not base.critic:
+        raise ConfigError(f"train.adv_estimator = {est!r} needs a critic, which train.algo = {name!r} does not "
+                          "train; use train.algo = 'ppo'")
+    if base.critic and not e.critic:
+        raise ConfigError(f"train.adv_estimator = {est!r} takes no critic, but train.algo = {name!r} trains one "
+                          f"for {base.estimator_name!r}; use train.algo = 'grpo' with train.adv_estimator = {est!r}")
+    if e.needs:
+        raise ConfigError(f"train.adv_estimator = {est!r} needs per-token {', '.join(e.needs)} from the rollout, "
+                          "which rlengine's engine does not record")
+    if (est, loss) == (base.estimator_name, base.loss_name):
+        return base
+    critic = " + critic" if base.critic else ", no critic"
+    return dataclasses.replace(base, estimator_name=est, loss_name=loss, summary=f"{est} + {loss}{critic}")
+
+
 # ---- the built-in entries ------------------------------------------------------------------------
 
 def _grpo_tokens(credits_G, opts):
@@ -131,7 +174,28 @@ register_policy_loss("vanilla")(policy_loss)
 
 register_algorithm(Algorithm(name="grpo", estimator_name="grpo", default_group_size=8,
                              options=("credit", "adv_whiten"),
-                             summary="group-relative advantages (grpo) + clipped surrogate (vanilla), no critic"))
+                             summary="grpo + vanilla, no critic"))
 register_algorithm(Algorithm(name="ppo", estimator_name="gae", default_group_size=1,
                              options=("critic_lr_mult", "critic_warmup"),
-                             summary="GAE advantages from a critic (gae) + clipped surrogate (vanilla)"))
+                             summary="gae + vanilla + critic"))
+
+# verl 0.9.1's estimators and losses (estimators.py, policy_losses.py, cov_losses.py)
+register_estimator("rloo")(estimators.rloo)
+register_estimator("grpo_passk")(estimators.grpo_passk)
+register_estimator("gpg")(estimators.gpg)
+register_estimator("opo", token_level=True)(estimators.opo)
+register_estimator("reinforce_plus_plus_baseline", token_level=True)(estimators.reinforce_plus_plus_baseline)
+register_estimator("reinforce_plus_plus", token_level=True, group_relative=False)(estimators.reinforce_plus_plus)
+register_estimator("optimal_token_baseline", token_level=True,
+                   needs=("sum_pi_squared",))(estimators.optimal_token_baseline)
+register_policy_loss("gspo")(policy_losses.gspo)
+register_policy_loss("sapo", options=("tau_pos", "tau_neg"), agg="seq-mean")(policy_losses.sapo)
+register_policy_loss("cispo")(policy_losses.cispo)
+# GMPO's unit is every sequence: the count seq-mean-token-sum-norm divides by (its fn ignores train.agg)
+register_policy_loss("geo_mean", agg="seq-mean-token-sum-norm")(policy_losses.geo_mean)
+register_policy_loss("gpg")(policy_losses.gpg)
+register_policy_loss("dro", options=("dro_beta",))(policy_losses.dro)
+register_policy_loss("dppo_tv")(policy_losses.dppo_tv)
+register_policy_loss("dppo_kl")(policy_losses.dppo_kl)
+register_policy_loss("clip_cov", options=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))(cov_losses.clip_cov)
+register_policy_loss("kl_cov", options=("kl_cov_ratio", "ppo_kl_coef"))(cov_losses.kl_cov)

@@ -7,6 +7,8 @@ classes stay readable as plain declarations. Symbols (B_train, B_gen, N, J, ...)
 docs/METHOD.md.
 """
 
+from rlengine.rl.algo.registry import ALGORITHMS
+
 FIELD_DOCS: dict[str, str] = {
     # [model]
     "model.name": "preset (tiny, qwen3-0.6b, ...; `rlengine info`), HF checkpoint directory, or hub id org/name "
@@ -50,7 +52,8 @@ FIELD_DOCS: dict[str, str] = {
     "gen.shared_prefix_decode": "read a group's shared prompt pages once per decode step (cascade attention): "
                                 "auto (cpp on, triton off) | true | false",
     # [train]
-    "train.algo": "grpo | ppo",
+    "train.algo": "estimator + policy loss shorthand: "
+                  + "; ".join(f"{a.name} = {a.summary}" for a in ALGORITHMS.values()),
     "train.group_size": "G, responses per prompt; 0 = 8 for GRPO, 1 for PPO",
     "train.prompts_per_step": "P, prompts per optimizer update (B_train = P x G)",
     "train.b_train": "B_train = P x G retained responses per update; when set, P = b_train / G (0 = from P)",
@@ -125,6 +128,16 @@ FIELD_DOCS: dict[str, str] = {
     "train.rollout_is_cap": "truncation of the rollout importance weights",
     "train.activation_checkpointing": "recompute each decoder layer in the backward (less activation memory)",
     "train.ref_offload": "keep the KL reference's decoder layers on the host, streamed to the device per layer",
+    "train.adv_estimator": "advantage estimator (verl's name) in place of train.algo's; \"\" = its own. README lists them",
+    "train.policy_loss": "policy loss (verl's name) in place of train.algo's; \"\" = its own. README lists them",
+    "train.tau_pos": "sapo: temperature of the smooth gate where A > 0 (verl actor.tau_pos)",
+    "train.tau_neg": "sapo: temperature of the smooth gate where A <= 0 (verl actor.tau_neg)",
+    "train.clip_cov_ratio": "clip_cov: fraction of model tokens whose gradient may be cut (verl policy_loss.clip_cov_ratio)",
+    "train.clip_cov_lb": "clip_cov: lower bound of the advantage x log-prob covariance of the candidate tokens",
+    "train.clip_cov_ub": "clip_cov: upper bound of that covariance window",
+    "train.kl_cov_ratio": "kl_cov: fraction of model tokens (top covariance) given the |log ratio| penalty",
+    "train.ppo_kl_coef": "kl_cov: coefficient of the |log ratio| penalty (verl policy_loss.ppo_kl_coef)",
+    "train.dro_beta": "dro: coefficient of the quadratic log-ratio penalty (> 0; required with policy_loss = dro)",
     "run.wandb": "also log every metric to Weights & Biases (`pip install rlengine[wandb]`; WANDB_MODE=offline works)",
     "run.wandb_project": "the wandb project; the run is named after run.out_dir",
 }

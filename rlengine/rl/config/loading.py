@@ -13,7 +13,8 @@ import typing
 from pathlib import Path
 
 from rlengine.model.config import ConfigError
-from rlengine.rl.config.sections import _SECTION_TYPES, TrainConfig, _check
+from rlengine.rl.config.sections import _SECTION_TYPES, _check
+from rlengine.rl.config.train_config import TrainConfig
 from rlengine.rl.config.values import parse_value
 
 
@@ -40,6 +41,8 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
     data: dict = {k: dict(v) if isinstance(v, dict) else v for k, v in (base or {}).items()}  # from_dict checks
     if path:
         path = packaged_config(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory; give a TOML file")
         if not path.is_file():
             raise ConfigError(f"config file {path} not found")
         try:
@@ -49,7 +52,8 @@ def load_job_config(path: str | Path | None = None, overrides: list[str] | None 
     for key, value in split_overrides(overrides or []):
         section, name = key.split(".", 1)
         _check(isinstance(data.setdefault(section, {}), dict),
-               f"--{key}: config section [{section}] is not a table ({data[section]!r})")
+               f"{path or 'the config'}: section [{section}] must be a table of key = value lines, got "
+               f"{section} = {data[section]!r} (so --{key} has nowhere to go)")
         declared = typing.get_type_hints(_SECTION_TYPES[section]) if section in _SECTION_TYPES else {}
         data[section][name] = parse_value(value, declared.get(name))
     return TrainConfig.from_dict(data)

@@ -1,4 +1,4 @@
-"""The RL job's settings: one frozen dataclass per TOML section, and TrainConfig holding them.
+"""The RL job's settings: one frozen dataclass per TOML section (TrainConfig, train_config.py, holds them).
 
 Every value is first checked against its field's declared type (config_values.typed: a bool is not an int,
 an int is accepted for a float, a list becomes a tuple), then validated in __post_init__ with a
@@ -17,14 +17,12 @@ train.prompts_per_step was set gives the other (B_train = P * G is the pair's de
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 
 from rlengine.model.config import ConfigError
-from rlengine.rl.algo.registry import ALGORITHMS, algorithm
+from rlengine.rl.algo.registry import ALGORITHMS, Algorithm, algorithm, combination
 from rlengine.rl.algo.schedule import LR_RULE_POWERS, lr_by_rule
 from rlengine.rl.config.update_options import AGGREGATIONS, UpdateOptions
-from rlengine.rl.config.values import typed
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -39,7 +37,7 @@ class ModelSection:
     name: str = "tiny"
     dtype: str = "float32"
     device: str = "auto"                 # auto = cuda if available else cpu
-    moe_impl: str = "ref"                # ref | triton | auto (triton on GPU)
+    moe_impl: str = "auto"               # auto (triton on a GPU, ref on a CPU; invariant with gen.batch_invariant) | ref | triton
     revision: str = ""                   # hub ids only: a branch, tag or commit sha ("" = the default branch)
     tokenizer: str = ""                  # a directory or hub id to take the tokenizer from ("" = the model's own)
 
@@ -185,7 +183,7 @@ class TrainSection(UpdateOptions):
     vf_coef: float = 1.0
 
     def __post_init__(self):
-        algo = algorithm(self.algo)
+        algo = self.algorithm  # train.algo with train.adv_estimator / train.policy_loss applied
         if self.group_size == 0:  # the load-time normalisation of the module docstring
             object.__setattr__(self, "group_size", algo.default_group_size)
         _check(self.group_size >= 1, f"train.group_size must be >= 1, got {self.group_size}")
@@ -233,6 +231,12 @@ class TrainSection(UpdateOptions):
                 _check(name in algo.options or getattr(self, name) == defaults[name],
                        f"train.{name} is an option of train.algo = {other.name!r}, not of {algo.name!r}; "
                        f"leave it at its default ({defaults[name]!r})")
+
+    @property
+    def algorithm(self) -> Algorithm:
+        """The estimator, policy loss and critic this job trains with: train.algo's pairing, with
+        train.adv_estimator / train.policy_loss in place of its parts when set (registry.combination)."""
+        return combination(self.algo, self.adv_estimator, self.policy_loss)
 
     @property
     def lr_effective(self) -> float:
@@ -305,6 +309,7 @@ class RunSection:
     def __post_init__(self):
         _check("/" not in self.name and self.name not in (".", ".."),
                f"run.name must be a plain name (no '/'), got {self.name!r}")
+        _check(bool(self.out_dir.strip()), "run.out_dir is empty; give a directory for the run (e.g. runs/my-run)")
         _check(self.samples_every >= 0, f"run.samples_every must be >= 0, got {self.samples_every}")
         _check(self.dist_timeout_s > 0, f"run.dist_timeout_s must be > 0 seconds, got {self.dist_timeout_s}")
         _check(self.save_timeout_s > 0, f"run.save_timeout_s must be > 0 seconds, got {self.save_timeout_s}")
@@ -321,81 +326,6 @@ class RunSection:
 
             _check(sys.modules.get("wandb") is not None or importlib.util.find_spec("wandb") is not None,
                    "run.wandb = true needs the wandb package (`pip install rlengine[wandb]`)")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainConfig:
-    model: ModelSection = field(default_factory=ModelSection)
-    task: TaskSection = field(default_factory=TaskSection)
-    gen: GenSection = field(default_factory=GenSection)
-    train: TrainSection = field(default_factory=TrainSection)
-    warmstart: WarmStartSection = field(default_factory=WarmStartSection)
-    eval: EvalSection = field(default_factory=EvalSection)
-    run: RunSection = field(default_factory=RunSection)
-
-    def __post_init__(self):
-        b_gen = self.gen.b_gen or self.train.b_train
-        _check(b_gen >= self.train.group_size,
-               f"gen.b_gen ({b_gen}) must hold at least one group of G={self.train.group_size} responses")
-        _check(b_gen >= self.train.b_train,
-               f"gen.b_gen ({b_gen}) must be >= train.b_train ({self.train.b_train}): B_gen counts the responses in "
-               "flight, at least one update's worth (0 = B_train, coupled; larger = async partial rollouts); the KV "
-               "pool (gen.num_kv_blocks) is what bounds how many decode at once")
-        t = self.train
-        if t.overlong == "soft":
-            _check(self.overlong_buffer <= self.gen.max_tokens,
-                   f"train.overlong_buffer ({self.overlong_buffer}) must be <= gen.max_tokens ({self.gen.max_tokens})")
-
-    # Values resolved from the config alone ("0 = auto" read from the sections they depend on). The plan
-    # stage puts them into its specs (rlengine/plan/specs.py); nothing below the plan reads them here.
-    @property
-    def b_gen(self) -> int:
-        """B_gen: gen.b_gen, or B_train (coupled) when it is 0."""
-        return self.gen.b_gen or self.train.b_train
-
-    @property
-    def overlong_buffer(self) -> int:
-        """DAPO's L_cache: train.overlong_buffer, or max(1, gen.max_tokens // 4) when it is 0."""
-        return self.train.overlong_buffer or max(1, self.gen.max_tokens // 4)
-
-    @property
-    def loss_norm_len(self) -> int:
-        """Dr. GRPO's constant length: train.loss_norm_len, or gen.max_tokens (the longest response) when 0."""
-        return self.train.loss_norm_len or self.gen.max_tokens
-
-    @property
-    def run_dir(self) -> str:
-        """Where the run writes: run.out_dir, or runs/<run.name> when a name is set and out_dir is the default."""
-        r = self.run
-        return f"runs/{r.name}" if r.name and r.out_dir == "runs/default" else r.out_dir
-
-    @property
-    def attention_backend(self) -> str:
-        """The engines' backend: gen.backend, except that auto on a float64 model is torch (the fp64 oracle)."""
-        return "torch" if self.gen.backend == "auto" and self.model.dtype == "float64" else self.gen.backend
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - set(sections))
-        _check(not unknown, f"unknown config section(s): {', '.join(unknown)}; known: {', '.join(sections)}")
-        built = {}
-        for name in sections:
-            section_cls = _SECTION_TYPES[name]
-            _check(isinstance(d.get(name, {}), dict),
-                   f"config section [{name}] must be a table of key = value lines, got {d.get(name)!r}")
-            values = dict(d.get(name, {}))
-            known = {f.name for f in dataclasses.fields(section_cls)}
-            bad = sorted(set(values) - known)
-            _check(not bad, f"unknown config key(s) {', '.join(f'{name}.{k}' for k in bad)}; "
-                            f"known in [{name}]: {', '.join(sorted(known))}")
-            hints = typing.get_type_hints(section_cls)
-            values = {k: typed(f"{name}.{k}", v, hints[k]) for k, v in values.items()}
-            built[name] = section_cls(**values)
-        return cls(**built)
 
 
 _SECTION_TYPES = {"model": ModelSection, "task": TaskSection, "gen": GenSection, "train": TrainSection,

@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from rlengine.rl.config.docs import FIELD_DOCS
-from rlengine.rl.config.sections import _SECTION_TYPES, TrainConfig
+from rlengine.rl.config.sections import _SECTION_TYPES
+from rlengine.rl.config.train_config import TrainConfig
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

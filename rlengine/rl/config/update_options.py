@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlengine.model.config import ConfigError
+from rlengine.rl.algo.registry import POLICY_LOSSES
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
@@ -44,6 +45,18 @@ class UpdateOptions:
     rollout_is_cap: float = 2.0          # truncation of the rollout IS weights
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward
     ref_offload: bool = False            # KL reference's decoder layers on the host, streamed per layer
+    # The algorithm's parts (rl/algo/registry.py, verl's names): "" = train.algo's own
+    adv_estimator: str = ""              # grpo | rloo | grpo_passk | gpg | opo | reinforce_plus_plus[_baseline] | ...
+    policy_loss: str = ""                # vanilla | gspo | sapo | cispo | geo_mean | gpg | dro | dppo_tv | ...
+    # Options of single losses, under verl's names (each only with its loss)
+    tau_pos: float = 1.0                 # sapo: gate temperature where A > 0
+    tau_neg: float = 1.05                # sapo: gate temperature where A <= 0
+    clip_cov_ratio: float = 0.0002       # clip_cov: fraction of tokens whose gradient may be cut
+    clip_cov_lb: float = 1.0             # clip_cov: covariance window (lb, ub) of the candidates
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002         # kl_cov: fraction of tokens (top covariance) given the |log r| penalty
+    ppo_kl_coef: float = 0.1             # kl_cov: that penalty's coefficient
+    dro_beta: float | None = None        # dro: the quadratic log-ratio penalty (> 0, required with dro)
 
     def check_update_options(self, *, algo, parallel: str, credit: str, b_train: int) -> None:
         """Validate the fields above (TrainSection.__post_init__ calls this); raises ConfigError."""
@@ -66,6 +79,28 @@ class UpdateOptions:
         _check(self.rollout_is in ("none", "token", "sequence"),
                f"train.rollout_is must be none|token|sequence, got {self.rollout_is!r}")
         _check(self.rollout_is_cap >= 1.0, f"train.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
+        self._check_loss_options(algo)
+        _check(not (self.kl_in_reward and algo.estimator.fn is None and not algo.critic),
+               f"train.kl_in_reward folds the KL into [P, G] scores; train.adv_estimator = {algo.estimator_name!r} "
+               "works on token rewards (leave kl_in_reward false)")
         _check(not (self.ref_offload and parallel == "fsdp"),
                "train.ref_offload streams a whole reference per layer; with train.parallel = 'fsdp' the reference "
                "is sharded instead (leave ref_offload false)")
+
+    def _check_loss_options(self, algo) -> None:
+        """The selected loss's options in range; another loss's options at their defaults."""
+        loss = algo.loss_name
+        _check(self.tau_pos > 0 and self.tau_neg > 0,
+               f"train.tau_pos and train.tau_neg must be > 0, got {self.tau_pos}, {self.tau_neg}")
+        _check(self.clip_cov_ratio > 0 and self.kl_cov_ratio > 0,
+               f"train.clip_cov_ratio and train.kl_cov_ratio must be > 0, got {self.clip_cov_ratio}, {self.kl_cov_ratio}")
+        _check(self.clip_cov_lb < self.clip_cov_ub,
+               f"train.clip_cov_lb must be < train.clip_cov_ub, got {self.clip_cov_lb}, {self.clip_cov_ub}")
+        _check(loss != "dro" or (self.dro_beta is not None and self.dro_beta > 0),
+               f"train.policy_loss = 'dro' needs train.dro_beta > 0, got {self.dro_beta}")
+        defaults = {f: UpdateOptions.__dataclass_fields__[f].default for p in POLICY_LOSSES.values() for f in p.options}
+        for other in POLICY_LOSSES.values():
+            for name in other.options:
+                _check(name in POLICY_LOSSES[loss].options or getattr(self, name) == defaults[name],
+                       f"train.{name} is an option of train.policy_loss = {other.name!r}, not of {loss!r}; "
+                       f"leave it at its default ({defaults[name]!r})")

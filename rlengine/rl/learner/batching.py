@@ -143,9 +143,34 @@ def estimate_batch(groups: list[RolloutGroup], estimator, opts, *, token_credit:
         return ppo_batch(groups)
     if not groups:  # this rank's share of the update can be empty
         return _flatten(groups, torch.zeros(0, 0))
+    if estimator.token_level_fn is not None:
+        return _token_level(groups, estimator.token_level_fn, opts)
     rewards_PG = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
     token_adv = [a for g in groups for a in estimator.token_fn(g.token_credits, opts)] if token_credit else None
     return _flatten(groups, estimator.fn(rewards_PG, opts), token_adv)
+
+
+def _token_level(groups: list[RolloutGroup], fn, opts) -> TrainBatch:
+    """A token-level estimator's batch: each response as a row that starts at its first trained token
+    (right-padded to the longest), its reward on its last trained token, mask = the loss mask (0 on
+    observation tokens), index = its group; the [B, L] advantages go back onto the packed positions."""
+    batch = _flatten(groups, torch.zeros(len(groups), max(len(g.completions) for g in groups)))
+    starts, ends = [], []
+    for a, e in zip(batch.cu_seqlens, batch.cu_seqlens[1:]):
+        trained = (batch.loss_mask[a:e] > 0).nonzero().flatten()
+        starts.append(a + int(trained[0]) if len(trained) else e)
+        ends.append((a + int(trained[-1]) + 1) if len(trained) else e)
+    L = max((e - s for s, e in zip(starts, ends)), default=0)
+    rewards_BL, mask_BL = torch.zeros(batch.num_seqs, L), torch.zeros(batch.num_seqs, L)
+    for b, (s, e) in enumerate(zip(starts, ends)):
+        mask_BL[b, :e - s] = (batch.loss_mask[s:e] > 0).float()
+        if e > s:
+            rewards_BL[b, e - s - 1] = batch.rewards[b]
+    index_B = torch.tensor([p for p, g in enumerate(groups) for _ in g.completions])
+    adv_BL = fn(rewards_BL, mask_BL, index_B, opts)
+    for b, (s, e) in enumerate(zip(starts, ends)):
+        batch.advantages[s:e] = adv_BL[b, :e - s]
+    return batch
 
 
 def grpo_batch(groups: list[RolloutGroup], *, normalize_std: bool, token_credit: bool = False) -> TrainBatch:
