@@ -18,24 +18,25 @@ result into the shared parameters in place (rlengine/rl/algo/optim.py).
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 
 import torch
 
 from rlengine.model.qwen3 import Qwen3ForCausalLM
-from rlengine.rl.algo.losses import kl_penalty, masked_aggregate, value_loss
+from rlengine.rl.algo.losses import kl_penalty, masked_aggregate
 from rlengine.rl.algo.optim import LearnerOptimizer, use_master_weights
 from rlengine.rl.algo.rollout_is import rollout_is_weights
-from rlengine.rl.algo.value import ValueModel, explained_variance, explained_variance_sums
+from rlengine.rl.algo.value import explained_variance, explained_variance_sums
 from rlengine.plan.specs import LearnerSpec
 from rlengine.rl.config import TrainSection
 from rlengine.rl.distributed import Dist, full_tensor
 from rlengine.rl.learner.batching import TrainBatch
+from rlengine.rl.learner.metrics import PassSums
 from rlengine.rl.learner.logprobs import processed_token_logprobs, token_logprobs
-from rlengine.rl.learner.ref_offload import HostStreamedLayers
-from rlengine.rl.learner.update import combine_passes, grpo_kl_advantages, packed_gae, rollout_is_stats, whiten
+from rlengine.rl.learner.critic import Critic
+from rlengine.rl.learner.parallel import no_sync, parallel_mode, parallelize
+from rlengine.rl.learner.reference import KLReference
+from rlengine.rl.learner.update import combine_passes, grpo_kl_advantages, rollout_is_stats, whiten
 from rlengine.telemetry.nvtx import PhaseRanges
 
 __all__ = ["Learner", "token_logprobs", "processed_token_logprobs"]  # the log-prob functions: re-exported
@@ -59,23 +60,32 @@ class Learner:
         self.logprobs_mode, self.top_k, self.top_p = spec.logprobs_mode, spec.top_k, spec.top_p
         # The KL reference is the policy as it is NOW (the trainer builds the learner after the
         # format warm start, so this is the policy at update 0); checkpoints save and restore it.
-        with_ref = cfg.kl_coef > 0 or cfg.kl_in_reward
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if with_ref else None
-        self.algo = spec.algorithm  # the estimator, the policy loss, whether a critic trains
-        self.critic = ValueModel(model) if self.algo.critic else None
-        self.parallel = cfg.parallel if cfg.parallel != "auto" else ("ddp" if self.dist.enabled else "none")
-        self.actor_fwd, self.critic_fwd = self._parallelize()
-        # train.ref_offload: after _parallelize, whose broadcast needs the reference on the device
-        self.ref_stream = HostStreamedLayers(self.ref) if cfg.ref_offload and self.ref is not None else None
+        self.reference = KLReference(model) if cfg.kl_coef > 0 or cfg.kl_in_reward else None
+        # the estimator, the policy loss, whether a critic trains: train.algo with train.adv_estimator /
+        # train.policy_loss applied (TrainSection.algorithm)
+        self.algo = cfg.algorithm
+        self.masters = use_master_weights(cfg.master_weights, model.dtype)
+        self.value = Critic(model, options=cfg) if self.algo.critic else None
+        self.parallel = parallel_mode(cfg.parallel, self.dist)
+        self.actor_fwd, critic_fwd = parallelize(self.parallel, self.dist, model, self.critic, self.ref)
+        if self.value is not None:
+            self.value.start(critic_fwd, lr=spec.lr, masters=self.masters)
+        if cfg.ref_offload and self.reference is not None:  # after parallelize, whose broadcast needs it on the device
+            self.reference.offload()
         self.last_passes: list[dict] = []  # the last step()'s per-pass metrics (epochs x mini-batches)
-        masters = use_master_weights(cfg.master_weights, model.dtype)
+        # what the device clock re-costs (rl/trainer/trace_file.py empties it each update): ("fwd_bwd" |
+        # "forward", packed tokens) per micro-batch pass, ("optimizer", 0) per optimizer step
+        self.steps: list[tuple[str, int]] = []
         self.ranges = PhaseRanges.for_device(model.device)  # learner.forward-backward / learner.optimizer
         self.optim = LearnerOptimizer(model.parameters(), lr=spec.lr, betas=cfg.betas,
-                                      weight_decay=cfg.weight_decay, masters=masters)
-        self.critic_optim = None
-        if self.critic is not None:
-            self.critic_optim = LearnerOptimizer(self.critic.parameters(), lr=spec.lr * cfg.critic_lr_mult,
-                                                 betas=cfg.betas, weight_decay=cfg.weight_decay, masters=masters)
+                                      weight_decay=cfg.weight_decay, masters=self.masters)
+
+    # The roles' parts under the names checkpoints and tests use.
+    ref = property(lambda self: None if self.reference is None else self.reference.module)
+    ref_stream = property(lambda self: None if self.reference is None else self.reference.stream)
+    critic = property(lambda self: None if self.value is None else self.value.module)
+    critic_fwd = property(lambda self: None if self.value is None else self.value.fwd)
+    critic_optim = property(lambda self: None if self.value is None else self.value.optim)
 
     def set_lr_factor(self, factor: float) -> None:
         """LR of the next step(s) = lr_effective * factor (critic: * critic_lr_mult); rlengine/rl/algo/schedule.py."""
@@ -102,38 +112,6 @@ class Learner:
     def critic_master_params(self) -> list[torch.Tensor] | None:
         return None if self.critic_optim is None else self.critic_optim.master_params
 
-    def _parallelize(self):
-        """Wrap for the parallel mode; returns the modules the learner calls (actor, critic)."""
-        if self.parallel == "none" or not self.dist.enabled:
-            return self.model, self.critic
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from rlengine.rl.distributed import fp32_allreduce_hook, fsdp_shard
-
-        for m in (self.model, self.critic, self.ref):  # identical replicas to start from (warm start)
-            if m is not None:
-                for t in m.state_dict().values():
-                    torch.distributed.broadcast(t, 0)
-        if self.parallel == "ddp":
-            ids = None if self.model.device.type == "cpu" else [self.model.device.index]
-            # MoE: experts no token was routed to get no gradient in a step
-            actor = DDP(self.model, device_ids=ids, forward_sync_buffers=False,
-                        find_unused_parameters=self.model.config.is_moe)
-            actor.register_comm_hook(None, fp32_allreduce_hook)
-            critic = None
-            if self.critic is not None:
-                critic = DDP(self.critic, device_ids=ids, forward_sync_buffers=False)
-                critic.register_comm_hook(None, fp32_allreduce_hook)
-            return actor, critic
-        # fsdp: the policy, the reference and the critic trunk are sharded per decoder layer
-        one = torch.zeros(1, dtype=torch.long, device=self.model.device)
-        for m in (self.model, self.ref):
-            if m is not None:
-                fsdp_shard(m, list(m.model.layers), lambda mod: mod(one[None]))
-        if self.critic is not None:
-            fsdp_shard(self.critic, list(self.critic.trunk.layers), lambda mod: mod(one, [0, 1]))
-        return self.model, self.critic
-
     def token_logprobs(self, module, mb: TrainBatch, *, checkpoint_layers: bool = False):
         """Log-probs of mb.targets under the learner's definition (= the engine's logprobs_mode)."""
         if self.logprobs_mode == "processed" and (self.top_k > 0 or self.top_p < 1.0):
@@ -141,26 +119,16 @@ class Learner:
         return token_logprobs(module, mb, self.temperature, self.fused, checkpoint_layers)
 
     # ---- once per rollout batch, before the passes -------------------------------------------
-    @torch.no_grad()
     def ppo_advantages(self, batch: TrainBatch, kl_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Critic values and GAE on every response; writes whitened advantages into batch.advantages.
-
-        A response's trained positions are the last n of its packed segment; the outcome reward
-        sits on its last token, and with kl_T (train.kl_in_reward) every token's reward is also
-        -kl_reward_coef * kl_t. Whitening uses the mean / std over the valid tokens of ALL ranks.
-        Returns (old_values [T], returns [T]) for the value loss.
-        """
-        values_T = self.critic_fwd(batch.input_ids, batch.cu_seqlens)
-        adv_T, ret_T = packed_gae(batch, values_T, kl_T, gamma=self.cfg.gamma, lam=self.cfg.lam,
-                                  kl_coef=self.cfg.kl_reward_coef)
-        batch.advantages = whiten(adv_T, batch.loss_mask > 0, self.dist)
-        return values_T, ret_T
+        """The critic's values and GAE on every response (Critic.advantages); (old_values [T], returns [T])."""
+        return self.value.advantages(batch, kl_T, self.dist)
 
     @torch.no_grad()
     def batch_logprobs(self, module, batch: TrainBatch) -> torch.Tensor:
         """No-grad log-probs [T] of batch.targets under `module`, micro-batch by micro-batch (every rank
         runs the same number of forwards, as in the passes)."""
         parts = [self.token_logprobs(module, mb)[0] for mb in self._micro_batches(batch) if mb is not None]
+        self.steps += [("forward", int(mb.input_ids.numel())) for mb in self._micro_batches(batch) if mb is not None]
         for _ in range(len(self._micro_batches(batch)) - len(parts)):  # fillers: the collectives line up
             self.token_logprobs(module, TrainBatch.filler(self.model.device))
         return torch.cat(parts) if parts else batch.old_logprobs.new_zeros(0)
@@ -194,14 +162,14 @@ class Learner:
         return stats
 
     # ---- one gradient pass ---------------------------------------------------------------------
-    def _global_counts(self, batch: TrainBatch) -> tuple[float, float]:
+    def _global_counts(self, batch: TrainBatch, agg: str) -> tuple[float, float]:
         """(loss normaliser, valid tokens) over the GLOBAL batch (all ranks, one reduction): the
         normaliser is the valid-token count (token-mean), the valid-sequence count (seq-mean) or the
         sequence count (seq-mean-token-sum-norm: Dr. GRPO's constant, whatever the responses' masks)."""
         tokens = float(batch.loss_mask.sum())
-        if self.cfg.agg == "token-mean":
+        if agg == "token-mean":
             seqs = tokens
-        elif self.cfg.agg == "seq-mean-token-sum-norm":
+        elif agg == "seq-mean-token-sum-norm":
             seqs = float(batch.num_seqs)
         else:
             seqs = float(len({int(s) for s in batch.seq_ids[batch.loss_mask > 0].tolist()}))
@@ -235,20 +203,23 @@ class Learner:
         self.optim.zero_grad()
         if self.critic is not None:
             self.critic_optim.zero_grad()
-        norm, ntok = self._global_counts(batch)
-        sums = dict.fromkeys(("clip_frac", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl",
-                              "ratio_mean", "entropy", "kl_ref", "logprob_diff", "loss", "pg_loss", "value_loss",
-                              "routing_disagreement"), 0.0)
-        ratio_max = 0.0
+        norm, ntok = self._global_counts(batch, self.cfg.agg)
+        # a loss with its own aggregation (sapo, geo_mean: PolicyLoss.agg) divides by its own count
+        forced = self.algo.loss.agg
+        pg_agg = (forced, self._global_counts(batch, forced)[0]) if forced and forced != self.cfg.agg else (
+            self.cfg.agg, norm)
+        sums = PassSums()
         mbs = self._micro_batches(batch)
         for i, mb in enumerate(mbs):
             # DDP: forward and backward of every micro-batch but the last inside no_sync, so the
             # gradients are all-reduced once per update, not once per micro-batch
             with self._no_sync(last=i == len(mbs) - 1):
                 filler = mb is None
+                if not filler:
+                    self.steps.append(("fwd_bwd", int(mb.input_ids.numel())))
                 mb = TrainBatch.filler(self.model.device) if filler else mb
-                loss, critic_loss, mb_max = self._micro_losses(mb, filler, norm, ntok, sums, critic_only)
-                ratio_max = max(ratio_max, mb_max)
+                loss, critic_loss, mb_max = self._micro_losses(mb, filler, norm, ntok, sums, critic_only, pg_agg)
+                sums.ratio_max = max(sums.ratio_max, mb_max)
                 # actor and critic share no parameters: two backward passes (FSDP2 finalises one root's
                 # gradients per backward), the same gradients as one pass over their sum
                 if loss.requires_grad:
@@ -260,34 +231,28 @@ class Learner:
             self.optim.accumulate()
             if self.critic_optim is not None:
                 self.critic_optim.accumulate()
-            sums["loss"] += float(loss.detach())
-        keys = list(sums)
-        sums = dict(zip(keys, self.dist.all_sum([sums[k] for k in keys])))
-        sums["ratio_max"] = self.dist.all_max([ratio_max])[0]
-        sums["logprob_diff"] /= ntok
-        sums["entropy"] /= ntok
-        sums["vf_explained_var"] = None if batch.returns is None else explained_variance(
+            sums.loss += float(loss.detach())
+        out = sums.reduce(self.dist, ntok)
+        out["vf_explained_var"] = None if batch.returns is None else explained_variance(
             self.dist.all_sum(explained_variance_sums(batch.old_values, batch.returns, batch.loss_mask > 0)))
-        return sums
+        return out
 
-    def _micro_losses(self, mb: TrainBatch, filler: bool, norm: float, ntok: float, sums: dict, critic_only: bool):
+    def _micro_losses(self, mb: TrainBatch, filler: bool, norm: float, ntok: float, sums: PassSums, critic_only: bool,
+                      pg_agg: tuple[str, float]):
         """(actor loss, critic loss or None, ratio max) of one micro-batch; adds its metrics into `sums`."""
         cfg = self.cfg
         agg = dict(agg=cfg.agg, normalizer=norm, norm_len=self.spec.loss_norm_len)
         loss, ratio_max = torch.zeros((), device=mb.input_ids.device), 0.0
         if not critic_only:
-            loss, ratio_max = self._policy_loss(mb, filler, agg, ntok, sums)
+            loss, ratio_max = self._policy_loss(mb, filler, agg, ntok, sums, pg_agg)
         critic_loss = None
-        if self.critic is not None:
-            values = self.critic_fwd(mb.input_ids, mb.cu_seqlens, checkpoint_layers=cfg.activation_checkpointing)
-            ov = values.detach() if filler else mb.old_values
-            rt = values.detach() if filler else mb.returns
-            vl, _ = value_loss(values, ov, rt, mb.loss_mask, mb.seq_ids, clip=cfg.vf_clip, **agg)
-            critic_loss = cfg.vf_coef * vl
-            sums["value_loss"] += float(vl.detach())
+        if self.value is not None:
+            critic_loss, vl = self.value.loss(mb, filler, agg)
+            sums.value_loss += float(vl.detach())
         return loss, critic_loss, ratio_max
 
-    def _policy_loss(self, mb: TrainBatch, filler: bool, agg: dict, ntok: float, sums: dict):
+    def _policy_loss(self, mb: TrainBatch, filler: bool, agg: dict, ntok: float, sums: PassSums,
+                     pg_agg: tuple[str, float]):
         """The policy's loss on one micro-batch (surrogate, entropy bonus, KL term) and its ratio max."""
         cfg = self.cfg
         w = float(mb.loss_mask.sum()) / ntok
@@ -299,10 +264,12 @@ class Learner:
         # the ratio's denominator: the learner's own pre-update log-probs when prepare() made them (rollout
         # IS), else the engine's behaviour log-probs (one pass: ratio = 1 up to the engine-learner gap)
         old = mb.old_logprobs if mb.learner_old_logprobs is None else mb.learner_old_logprobs
+        own = {k: getattr(cfg, k) for k in self.algo.loss.options}  # the loss's options (verl's names)
         pl, m = self.algo.loss.fn(logp, old, mb.advantages, mb.loss_mask, mb.seq_ids, clip_low=cfg.clip_low,
-                            clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, weights=mb.is_weights, **agg)
+                                  clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, weights=mb.is_weights,
+                                  **{**agg, "agg": pg_agg[0], "normalizer": pg_agg[1]}, **own)
         loss = pl
-        sums["pg_loss"] += float(pl.detach())
+        sums.pg_loss += float(pl.detach())
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * masked_aggregate(ent, mb.loss_mask, mb.seq_ids, **agg)
         if self.ref is not None and cfg.kl_coef > 0:
@@ -310,29 +277,22 @@ class Learner:
                 ref_logp, _ = self.token_logprobs(self.ref, mb)
             kl = masked_aggregate(kl_penalty(logp, ref_logp, cfg.kl_estimator), mb.loss_mask, mb.seq_ids, **agg)
             loss = loss + cfg.kl_coef * kl
-            sums["kl_ref"] += float(kl.detach())
+            sums.kl_ref += float(kl.detach())
         valid = mb.loss_mask > 0
-        sums["logprob_diff"] += float((logp.detach() - mb.old_logprobs)[valid].abs().sum())
-        sums["entropy"] += float((ent.detach() * mb.loss_mask).sum())
+        sums.logprob_diff += float((logp.detach() - mb.old_logprobs)[valid].abs().sum())
+        sums.entropy += float((ent.detach() * mb.loss_mask).sum())
         if filler:
             return loss, 0.0
-        for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ratio_mean"):
-            sums[k] += float(m[k]) * w
+        sums.add_policy_stats(m, w)
         blocks = self.model.moe_blocks()
         if self.replay_routing and blocks and blocks[0].last_disagreement is not None:
-            sums["routing_disagreement"] += sum(float(bk.last_disagreement) for bk in blocks) / len(blocks) * w
+            sums.routing_disagreement += sum(float(bk.last_disagreement) for bk in blocks) / len(blocks) * w
         return loss, float(m["ratio_max"]) if bool(valid.any()) else 0.0
 
     def _no_sync(self, *, last: bool):
-        """DDP without master weights: gradients accumulate locally and are reduced once, at the last
-        micro-batch. With masters every micro-batch is reduced (in fp32) before it moves into them."""
-        if last or self.parallel != "ddp" or self.master_params is not None or not self.dist.enabled:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        for m in (self.actor_fwd, self.critic_fwd):
-            if m is not None:
-                stack.enter_context(m.no_sync())
-        return stack
+        """parallel.no_sync over the policy and the critic (DDP without masters: one all-reduce per update)."""
+        return no_sync(self.parallel, self.dist, (self.actor_fwd, self.critic_fwd), last=last,
+                       masters=self.master_params is not None)
 
     def step(self, batch: TrainBatch, *, critic_only: bool = False, phases=None) -> dict:
         """All updates of one rollout batch: prepare(), then train.ppo_epochs passes over its
@@ -378,6 +338,7 @@ class Learner:
         # alone would keep moving the weights: the drift of a run whose groups all score alike)
         if not critic_only and not (self.cfg.skip_zero_grad and float(actor_norm) == 0.0):
             self.optim.step()
+            self.steps.append(("optimizer", 0))
         if self.critic_optim is not None:
             self.critic_optim.step()
         return metrics
