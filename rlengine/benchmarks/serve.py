@@ -9,11 +9,16 @@ so time spent waiting for the loop to admit it counts, as it would against a ser
 TTFT / TPOT / ITL / E2EL, throughput and goodput (--goodput "ttft:MS tpot:MS") follow vLLM's
 definitions (serving_metrics.py). One row per rate, after an untimed warm-up pass. This is
 an in-process client: there is no HTTP or tokenizer in the numbers, unlike vLLM's.
+With --url URL the same schedule (same prompts, lengths and arrivals) is also sent over HTTP to an
+OpenAI-compatible server (`rlengine serve --model SAME_PRESET`, or vLLM's) by an async client
+(serve_http.py), and each rate gets two rows, client "in-process" and "http": their difference is
+what the HTTP path costs. The server's own engine settings are its own (its --max-num-seqs, dtype).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import time
 import torch
@@ -21,6 +26,7 @@ import torch
 from rlengine.benchmarks.args import add_model_options, check_args
 from rlengine.benchmarks.lengths import add_length_args, sample_lengths
 from rlengine.benchmarks.report import format_table, write_result
+from rlengine.benchmarks.serve_http import drive_http, frozen_heap, served_model
 from rlengine.benchmarks.serving_metrics import RequestTiming, parse_slos, serving_metrics
 from rlengine.model.config import DTYPES, ConfigError, preset
 from rlengine.engine.llm import LLM
@@ -104,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="START:STOP engine steps to record, in an extra untimed pass at the first rate")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--name", default="serve")
+    p.add_argument("--url", default=None, help="also send the schedule over HTTP to the OpenAI-compatible server "
+                   "at URL (e.g. http://127.0.0.1:8000, serving the same --model)")
+    p.add_argument("--api-key", default=None, help="with --url: the server's bearer token")
     args = p.parse_args(argv)
     check_args(args, positive=("num_requests", "input_len", "output_len", "max_num_seqs"))
     preset(args.model)
@@ -133,14 +142,29 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [torch.randint(3, model.config.vocab_size, (k,), generator=gen).tolist() for k in in_lens]
     warm = min(n, args.max_num_seqs)
     drive(llm, prompts[:warm], [min(8, k) for k in out_lens[:warm]], [0.0] * warm)  # untimed warm-up
+    columns = COLUMNS if args.url is None else ["client"] + COLUMNS + ["failed"]
+    if args.url is not None:
+        served, _ = served_model(args.url, args.api_key)
+        if served != args.model:
+            print(f"note: the server at {args.url} serves {served!r}; the in-process rows run {args.model!r}")
+        asyncio.run(drive_http(args.url, served, prompts[:warm], [min(8, k) for k in out_lens[:warm]], [0.0] * warm,
+                               api_key=args.api_key))  # untimed warm-up
     rows = []
     for rate in rates:
         arrivals = arrival_times(n, rate, burstiness=args.burstiness, seed=args.seed)
-        timings, duration = drive(llm, prompts, out_lens, arrivals)
-        rows.append({"request_rate": "inf" if rate == float("inf") else rate, "burstiness": args.burstiness,
+        with frozen_heap():
+            timings, duration = drive(llm, prompts, out_lens, arrivals)
+        rows.append({**({"client": "in-process", "failed": 0} if args.url else {}),
+                     "request_rate": "inf" if rate == float("inf") else rate, "burstiness": args.burstiness,
                      **serving_metrics(timings, duration, slos)})
-        print("  ".join(f"{c}={rows[-1][c]:.4g}" if isinstance(rows[-1][c], float) else f"{c}={rows[-1][c]}"
-                        for c in COLUMNS), flush=True)
+        if args.url is not None:
+            with frozen_heap():
+                timings, duration, failed = asyncio.run(drive_http(args.url, served, prompts, out_lens, arrivals,
+                                                                   api_key=args.api_key))
+            rows.append({**rows[-1], "client": "http", **serving_metrics(timings, duration, slos), "failed": failed})
+        for row in rows[-1 - (args.url is not None):]:
+            print("  ".join(f"{c}={row[c]:.4g}" if isinstance(row[c], float) else f"{c}={row[c]}" for c in columns),
+                  flush=True)
     if args.profile:  # a separate pass at the first rate: the profiler's overhead stays out of the rows
         prof = step_profiler(args.profile, name=f"{args.name}_steps", window=ProfileWindow.parse(args.profile_window),
                              device=model.device, ranges=[r for r in (getattr(llm, "ranges", None),) if r is not None])
@@ -149,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                   profiler=prof)
         print(f"profile: {prof.trace_path}, {prof.table_path} {prof.note}")
     print()
-    print(format_table(rows, COLUMNS))
+    print(format_table(rows, columns))
     write_result(args.out, args.name, rows, device=model.device, llm=llm, conditions={
         "model": args.model, "dtype": args.dtype, "num_requests": n, "input_len": args.input_len,
         "output_len": args.output_len, "length_dist": args.length_dist, "max_num_seqs": args.max_num_seqs,
-        "slos_ms": slos, "seed": args.seed, "client": "in-process (no HTTP, no tokenizer)"})
+        "slos_ms": slos, "seed": args.seed, "client": "in-process (no HTTP, no tokenizer)" if args.url is None else
+        f"in-process and HTTP to {args.url} (streamed /v1/completions, token-id prompts)"})
     return 0

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from rlengine.cli.info import cmd_info as _cmd_info
+from rlengine.cli.serve import add_serve_parser
 from rlengine.cli.tune import cmd_report as _cmd_report
 from rlengine.cli.tune import cmd_tune as _cmd_tune
 
@@ -24,11 +25,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
 
+def _add_tokenizer_args(p: argparse.ArgumentParser) -> None:
+    """--tokenizer / --revision: what an engine's model and tokenizer files are (generate and serve)."""
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer files from DIR or a hub id (default: the checkpoint's own, or the built-in one "
+                   "for presets)")
+    p.add_argument("--revision", default=None, help="with a hub id --model: the branch, tag or commit sha")
+
+
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     """--config / --algo: which RL job (train and tune)."""
     p.add_argument("--config", default=None, help="the job's TOML file, or a packaged config name such as gsm8k "
                    "(default: the bundled grpo/ppo config)")
-    p.add_argument("--algo", default="grpo", choices=["grpo", "ppo"], help="which bundled config to use")
+    p.add_argument("--algo", default=None, choices=["grpo", "ppo"], help="which bundled config to use (default: grpo)")
 
 
 def _cmd_demo(args) -> int:
@@ -93,6 +102,7 @@ def _cmd_generate(args) -> int:
 
 def _cmd_train(args) -> int:
     from rlengine.rl.trainer.loop import Trainer
+    from rlengine.rl.trainer.signals import InterruptStart, StartInterrupted
 
     if args.nproc is not None or args.nnodes > 1:
         return _launch(args)
@@ -100,8 +110,14 @@ def _cmd_train(args) -> int:
     cfg = _train_config(args)
     if os.environ.get("RANK", "0") == "0":
         print(f"run directory: {cfg.run_dir}", flush=True)
-    trainer = Trainer(cfg, resume_from=args.resume, profile=args.profile,
-                      profile_window=args.profile_window)
+    try:
+        with InterruptStart():  # before the first update a signal has nothing to finish: stop at once
+            trainer = Trainer(cfg, resume_from=args.resume, profile=args.profile,
+                              profile_window=args.profile_window)
+    except StartInterrupted as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(_start_interrupted(exc, Path(cfg.run_dir)), file=sys.stderr)
+        return 130
     history = trainer.run()
     ranks = trainer.dist.enabled
     trainer.dist.close()
@@ -112,6 +128,14 @@ def _cmd_train(args) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _start_interrupted(exc, run_dir: Path) -> str:
+    """The one line for a stop signal before the first update (no checkpoint yet)."""
+    if (run_dir / "config.json").is_file():
+        return (f"{exc}: interrupted before the first update (no checkpoint yet); start it over with: "
+                f"rlengine train --resume {run_dir}")
+    return f"{exc}: interrupted while setting up; nothing was written: run the same command again"
 
 
 def _train_summary(trainer, history) -> int:
@@ -138,7 +162,7 @@ def _train_config(args):
     from rlengine.model.config import ConfigError
     from rlengine.plan.preflight import check_train_config
     from rlengine.rl.config import load_job_config, split_overrides
-    from rlengine.rl.trainer.run_dir import check_new_run, fresh_run_dir, resume_config
+    from rlengine.rl.trainer.run_dir import check_new_run, check_out_dir, fresh_run_dir, resume_config
     from rlengine.telemetry.profiler import ProfileWindow
 
     try:
@@ -146,9 +170,13 @@ def _train_config(args):
     except ValueError as exc:
         raise ConfigError(f"--profile-window: {exc}") from None
     if args.resume:
+        given = [flag for flag, value in (("--config", args.config), ("--algo", args.algo)) if value is not None]
+        if given:  # the job is the run's own (RUN_DIR/config.json): another one cannot be honoured
+            raise ConfigError(f"{' and '.join(given)} cannot be used with --resume: a resume continues the job "
+                              f"saved in {Path(args.resume) / 'config.json'}")
         cfg = resume_config(args.resume, args.overrides)
     else:
-        cfg = load_job_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml"),
+        cfg = load_job_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo or 'grpo'}.toml"),
                           args.overrides)
         if any(key == "run.out_dir" for key, _ in split_overrides(args.overrides)):
             check_new_run(Path(cfg.run_dir), cfg.run.overwrite)  # named by the user: never replaced silently
@@ -157,6 +185,7 @@ def _train_config(args):
             if fresh != cfg.run_dir:  # as if the user had named it (the config itself stays frozen)
                 cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=fresh))
     check_train_config(cfg)
+    check_out_dir(cfg.run_dir)  # a file, a path under one, a read-only directory: one line before anything runs
     return cfg
 
 
@@ -167,7 +196,7 @@ def _cmd_config(args) -> int:
     from rlengine.rl.config import load_job_config
     from rlengine.rl.config.show import field_rows, format_rows
 
-    cfg = load_job_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo}.toml"),
+    cfg = load_job_config(args.config or str(resources.files("rlengine") / "configs" / f"{args.algo or 'grpo'}.toml"),
                       args.overrides)
     print("\n".join(format_rows(field_rows(cfg))))
     print("(* = differs from the built-in defaults; override any field with --section.field VALUE)")
@@ -241,13 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--n", type=int, default=1, help="completions to print")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="tokenizer files from DIR or a hub id (default: the checkpoint's own, or the built-in one "
-                   "for presets)")
-    p.add_argument("--revision", default=None, help="with a hub id --model: the branch, tag or commit sha")
+    _add_tokenizer_args(p)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.set_defaults(func=_cmd_generate)
 
+    add_serve_parser(sub, _add_model_args, _add_tokenizer_args)
 
     p = sub.add_parser("train", help="run GRPO/PPO (default: GRPO on a built-in task with the tiny preset)",
                        description="Run an RL job. With no arguments: the embedded default (GRPO, tiny preset, "
@@ -333,11 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delta", type=float, default=0.1, help="q plateau: within delta of the best q")
     p.add_argument("--kv-bytes", type=int, default=0, help="emulate a device with this many bytes of KV cache")
     p.add_argument("--recheck", type=int, default=1, help="async configurations re-checked for J on every seed")
-    p.add_argument("--confirm-seeds", type=int, default=3, help="fresh seeds for chosen vs coupled best (0: skip)")
+    p.add_argument("--confirm-seeds", type=int, default=16, help="cap on the fresh seed pairs of chosen vs coupled "
+                   "best, added one pair at a time until a 95%% confidence sequence is decisive (0: skip)")
+    p.add_argument("--min-effect", type=float, default=0.1, help="the confirmation stops once its interval lies "
+                   "within 1 +- this (an effect too small to report)")
     p.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds")
-    p.add_argument("--clock", default="auto", choices=["auto", "wall", "cpu"],
+    p.add_argument("--clock", default="auto", metavar="auto|wall|cpu|TABLE.json",
                    help="what T measures: wall seconds, or process CPU seconds (auto: cpu for a CPU job, "
-                   "so other processes' load on a shared machine stays out of T)")
+                   "so other processes' load on a shared machine stays out of T), or a device clock: a cost "
+                   "table (`rlengine bench costs`) that re-costs each run's step trace (the runs still time "
+                   "themselves on auto)")
     p.add_argument("--resume", action="store_true", help="reuse the finished runs already in --out")
     p.add_argument("--out", default="runs/tune", help="output directory")
     p.set_defaults(func=_cmd_tune)
@@ -347,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-j", type=float, required=True, help="J*")
     p.add_argument("--reference", default="", help="reference configuration label (default: the first run's)")
     p.add_argument("--delta", type=float, default=0.1, help="q plateau tolerance for the B_gen figure")
+    p.add_argument("--clock", default=None, metavar="TABLE.json", help="a device clock: re-cost each run's T "
+                   "from its step trace with this cost table (`rlengine bench costs`; default: the runs' own clock)")
     p.add_argument("--out", default=None, help="write report.md, report.json and figures/ here")
     p.set_defaults(func=_cmd_report)
     for p in sub.choices.values():  # `rlengine CMD --debug` too (SUPPRESS: an absent flag keeps the global one)

@@ -25,7 +25,7 @@ def launch(args, train_config) -> int:
                           f"{args.nnodes} --node-rank {args.node_rank}")
     cfg = train_config(args)
     check_host_memory(cfg, args.nproc, args.nproc * args.nnodes)
-    argv = ["train"] + (["--config", args.config] if args.config else []) + ["--algo", args.algo]
+    argv = ["train"] + (["--config", args.config] if args.config else []) + (["--algo", args.algo] if args.algo else [])
     argv += (["--resume", args.resume] if args.resume else []) + list(args.overrides)
     argv += [] if args.resume else ["--run.out_dir", cfg.run_dir]  # every rank writes where this one chose
     argv += ["--profile", args.profile, "--profile-window", args.profile_window] if args.profile else []  # rank 0 writes
