@@ -23,7 +23,7 @@ LAYERS = [
     ["rlengine.kernels"],
     ["rlengine.model"],
     ["rlengine.engine"],
-    ["rlengine.rl.rollout_group", "rlengine.rl.distributed"],
+    ["rlengine.rl.rollout_group", "rlengine.rl.distributed", "rlengine.rl.child_lifetime"],
     ["rlengine.rl.algo"],
     ["rlengine.rl.data"],
     ["rlengine.rl.config"],

@@ -77,7 +77,11 @@ def prompt_list(prompts) -> list:
         return [prompts]
     if isinstance(prompts, torch.Tensor) and prompts.dim() == 1:
         raise TypeError("generate() takes a list of prompts (list[list[int]]), got a single 1-D tensor")
-    prompts = list(prompts)
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise TypeError(f"generate() takes a prompt or a list of prompts (str, token ids, or a dict), got "
+                        f"{type(prompts).__name__} {prompts!r:.40}") from None
     if prompts and isinstance(prompts[0], int):
         raise TypeError("generate() takes a list of prompts (list[list[int]]), got a single flat list")
     return prompts

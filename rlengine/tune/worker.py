@@ -21,6 +21,9 @@ def main(argv: list[str]) -> int:
         print("usage: python -m rlengine.tune.worker TASK.json", file=sys.stderr)
         return 2
     task = json.loads(Path(argv[0]).read_text())
+    from rlengine.rl.child_lifetime import end_with_parent
+
+    end_with_parent(task.get("parent_pid"))  # a tune that is killed takes its workers with it
     p = task["plan"]
     plan = RunPlan(name=p["name"], stage=p["stage"], label=p["label"], seed=p["seed"],
                    change=PlanChange(**p["change"]), target_j=p["target_j"])

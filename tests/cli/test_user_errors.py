@@ -51,7 +51,8 @@ def _files(tmp: Path, argv: list[str]) -> dict[str, str]:
     (tmp / "table.toml").write_text("train = 3\n")
     (tmp / "latin1.toml").write_bytes(b"[run]\nout_dir = '\xe9'\n")
     (tmp / "run").mkdir()
-    (tmp / "run" / "config.json").write_text("{}")      # a run directory without checkpoints/latest
+    (tmp / "run" / "config.json").write_text("{}")      # a run directory without checkpoints/latest that
+    (tmp / "run" / "metrics.jsonl").write_text('{"update": 3}\n')  # got past update 0: nothing to resume from
     return {
         "bad_toml": str(tmp / "bad.toml"), "table_toml": str(tmp / "table.toml"),
         "latin1_toml": str(tmp / "latin1.toml"), "run": str(tmp / "run"),

@@ -51,6 +51,10 @@ def check_job_prompts(task: Task, extra_sets, encode: PromptEncoder, *, max_posi
     the CLI's preflight and the trainer."""
     limit = f"max_position_embeddings {max_position_embeddings} - gen.max_tokens {max_tokens}"
     room = max_position_embeddings - max_tokens
+    if room < 1:  # no prompt can fit: the limit is the problem, not the prompts
+        raise ConfigError(f"gen.max_tokens {max_tokens} leaves no room for a prompt: the model's context is "
+                           f"max_position_embeddings {max_position_embeddings} tokens; give gen.max_tokens "
+                           f"below {max_position_embeddings}")
     task.check_prompts(encode, room, limit=limit)
     for es in extra_sets:
         Task(f"eval set {es.name}", [], es.problems, task.reward_fn).check_prompts(encode, room, limit=limit)

@@ -11,12 +11,14 @@ over. A call past its deadline scores as a failure (counted by the RewardScorer 
 exception) and its worker is killed and replaced, so a hung reward never clogs the pool. A
 worker receives the parent's sys.path and imports the reward by "module:qualname", so plugin
 modules import in the child as they did in the parent. Workers are daemons and close()
-terminates them: a hung call never keeps the process from exiting.
+terminates them: a hung call never keeps the process from exiting; a parent that is killed takes
+its workers with it (rlengine.rl.child_lifetime).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import sys
 import time
 from collections import deque
@@ -55,8 +57,12 @@ class InlineRunner:
         self._results.clear()
 
 
-def _worker_main(conn, sys_path: list[str], spec: str) -> None:
-    """A worker process: import the reward, say ready, then answer (id, call) -> (id, outcome) forever."""
+def _worker_main(conn, sys_path: list[str], spec: str, parent_pid: int | None = None) -> None:
+    """A worker process: import the reward, say ready, then answer (id, call) -> (id, outcome) forever.
+    It ends with its parent process, even in the middle of a call (rlengine.rl.child_lifetime)."""
+    from rlengine.rl.child_lifetime import end_with_parent
+
+    end_with_parent(parent_pid)
     sys.path[:] = sys_path
     try:
         fn = resolve_reward(spec)
@@ -81,7 +87,7 @@ class _Worker:
 
     def __init__(self, ctx, spec: str):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, list(sys.path), spec), daemon=True,
+        self.proc = ctx.Process(target=_worker_main, args=(child, list(sys.path), spec, os.getpid()), daemon=True,
                                 name="rlengine-reward")
         self.proc.start()
         child.close()

@@ -214,6 +214,8 @@ def data_path(path: str) -> Path:
 def read_jsonl(path: str | Path) -> list[Problem]:
     """Problems from JSONL; raises DatasetError naming the file and line of any malformed row."""
     path = Path(path)
+    if path.is_dir():
+        raise DatasetError(f"{path}: is a directory, not a JSONL dataset file")
     if not path.is_file():
         raise DatasetError(f"{path}: dataset file not found")
     try:
@@ -274,7 +276,7 @@ def build_task(name: str, *, path: str = "", eval_path: str = "", reward: str = 
             train, held = problems, read_jsonl(data_path(eval_path))
         else:
             train, held = _split(problems, min(num_eval, max(1, len(problems) // 5)), seed)
-        task = Task("jsonl", train, held, get_reward(reward or "math"))
+        task = Task("jsonl", train, held, resolve_reward(reward or "math"))
     else:
         raise ConfigError(f"task.name: unknown task {name!r}; known: {', '.join(TASK_NAMES)}")
     if reward:

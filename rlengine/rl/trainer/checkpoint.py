@@ -11,17 +11,22 @@ Crash safety: a save never deletes or overwrites the checkpoint `latest` names. 
 a fresh `.tmp-<name>` directory, fsyncs every file and directory, renames it to a name not yet
 used (`update-000040`, or `update-000040.1`, ... when that update is saved again), fsyncs the
 pointer and replaces `latest` atomically; only then are superseded directories of the same
-update and leftover `.tmp-*` directories removed. Tensors go to safetensors, scalars to JSON:
-no pickle anywhere.
+update and leftover `.tmp-*` directories removed; a save that fails (a full disk) removes what it
+wrote and raises CheckpointError, leaving `latest` as it was. state.json also carries the metrics
+record of its update (written to metrics.jsonl only after the save), so a resume restores a line a
+crash lost. Tensors go to safetensors, scalars to JSON: no pickle anywhere. A damaged or mismatched
+checkpoint loads as a CheckpointError naming the file and what is wrong.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rlengine.model.loader import CheckpointError, load_pretrained, save_pretrained
@@ -117,16 +122,64 @@ def save_checkpoint(run_dir: Path, update: int, *, model, learner, state: dict,
     files = _gather(learner)
     if not write:
         return run_dir / "checkpoints"
-    ckpt_root, name, tmp = begin_checkpoint(run_dir, update)
-    _write_files(tmp, files, model=model, state=state, on_stage=on_stage)
-    return publish(ckpt_root, name, update, keep=keep, on_stage=on_stage)
+    try:
+        ckpt_root, name, tmp = begin_checkpoint(run_dir, update)
+    except OSError as exc:
+        raise CheckpointError(f"cannot save the checkpoint of update {update} in {run_dir / 'checkpoints'}: "
+                              f"{exc.strerror or exc}") from None
+    try:
+        _write_files(tmp, files, model=model, state=state, on_stage=on_stage)
+        return publish(ckpt_root, name, update, keep=keep, on_stage=on_stage)
+    except BaseException as exc:  # a failed (or interrupted) save leaves no partial directory behind
+        _discard(ckpt_root, name)
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot save the checkpoint of update {update} in {ckpt_root}: "
+                                  f"{exc.strerror or exc}; `latest` still names the previous one") from None
+        raise
+
+
+def _discard(ckpt_root: Path, name: str) -> None:
+    """Remove the directories of an unfinished save of `name`, unless `latest` already names it."""
+    pointer = ckpt_root / "latest"
+    try:
+        published = pointer.is_file() and pointer.read_text().strip() == name
+    except OSError:
+        published = False
+    if not published:
+        shutil.rmtree(ckpt_root / f".tmp-{name}", ignore_errors=True)
+        shutil.rmtree(ckpt_root / name, ignore_errors=True)
+        (ckpt_root / "latest.tmp").unlink(missing_ok=True)
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return (Path(run_dir) / "checkpoints" / "latest").is_file()
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
+    """The directory checkpoints/latest names; FileNotFoundError when there is none, CheckpointError when
+    the pointer names no checkpoint."""
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.is_file():
         raise FileNotFoundError(f"{run_dir}: no checkpoints/latest (nothing to resume from)")
-    return run_dir / "checkpoints" / pointer.read_text().strip()
+    name = pointer.read_text(errors="replace").strip()
+    path = run_dir / "checkpoints" / name
+    if not name or "/" in name or not path.is_dir():
+        raise CheckpointError(f"{pointer}: names {name!r}, which is not a checkpoint directory in {pointer.parent}")
+    return path
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint directory's state.json (update, N, RNGs, ...); CheckpointError when it is unreadable."""
+    file = path / "state.json"
+    try:
+        state = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing (the checkpoint is incomplete)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({exc}); the file is damaged") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: not a checkpoint state (a JSON object)")
+    return state
 
 
 @torch.no_grad()
@@ -158,6 +211,56 @@ def _load_ref(file: Path, ref: torch.nn.Module) -> None:
 
 
 def load_checkpoint(path: Path, *, model, learner, dist=None) -> dict:
+    """load_checkpoint_files with every damaged or mismatched file a CheckpointError naming it."""
+    state = read_state(path)
+    _check_readable(path)
+    try:
+        _check_model_shapes(path / "model", model)
+        load_checkpoint_files(path, model=model, learner=learner, dist=dist)
+    except CheckpointError:
+        raise
+    except (SafetensorError, OSError, ValueError, KeyError, IndexError, RuntimeError) as exc:
+        what = getattr(exc, "filename", None) or path
+        raise CheckpointError(f"{what}: cannot load this checkpoint ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); the file is damaged or from "
+                              "another job") from None
+    return state
+
+
+def _check_readable(path: Path) -> None:
+    """Every safetensors and JSON file of the checkpoint parses (headers and sizes): a truncated or
+    damaged one is a CheckpointError naming it, before anything is loaded."""
+    from safetensors import safe_open
+
+    for file in sorted(path.rglob("*")):
+        try:
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), "pt") as f:
+                    f.keys()
+            elif file.suffix == ".json":
+                json.loads(file.read_text())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{file}: damaged ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                                  "the checkpoint cannot be loaded") from None
+
+
+def _check_model_shapes(model_dir: Path, model) -> None:
+    """The checkpoint's model config describes the model the job built (same layers, sizes, vocabulary)."""
+    file = model_dir / "config.json"
+    try:
+        saved = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: unreadable ({exc})") from None
+    want = model.config.to_hf_dict() if hasattr(model.config, "to_hf_dict") else {}
+    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "num_experts", "moe_intermediate_size")
+    diff = [f"{k} {saved.get(k)} != {want.get(k)}" for k in keys if k in want and saved.get(k) != want.get(k)]
+    if diff:
+        raise CheckpointError(f"{file}: the checkpoint's model differs from the job's model.name "
+                              f"({', '.join(diff)}; checkpoint vs job): was the run's config.json edited?")
+
+
+def load_checkpoint_files(path: Path, *, model, learner, dist=None) -> dict:
     """Restore in place (the engine keeps sharing the weights): model, masters, ref, optimizers, critic.
 
     Returns state.json. With master_params the model ends up holding the rounded saved masters;
@@ -193,7 +296,7 @@ def load_checkpoint(path: Path, *, model, learner, dist=None) -> dict:
 
 
 def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collector, sampler, dist,
-             keep: int = 0, asynchronous: bool = False) -> PendingSave | Path:
+             keep: int = 0, asynchronous: bool = False, record: dict | None = None) -> PendingSave | Path:
     """Checkpoint a run at an update boundary: the weights, the learner's state and everything the
     loop needs to continue as if never stopped (counters, prompt sampler, torch and engine RNGs).
     Async in-flight rollouts are drained, not saved: they are regenerated after a resume.
@@ -201,13 +304,16 @@ def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collect
     An FSDP-sharded learner, or `asynchronous`, saves shards (sharded.py); `asynchronous` returns the
     PendingSave
     while it is still being written (wait() on every rank, then dist.wait_for_save()); otherwise every
-    rank returns once the checkpoint is published (its directory on rank 0).
+    rank returns once the checkpoint is published (its directory on rank 0). record: this update's
+    metrics record when it is not yet in metrics.jsonl (kept in state.json: a resume restores it).
     """
     collector.drain()
     state = {"update": update, "N": n, "weight_version": llm.weight_version,
              "sampler": sampler.state_dict(), "torch_rng": torch.get_rng_state().tolist(),
              "engine_rng": llm.runner.sampler.generator.get_state().tolist(),
              "ready": len(collector.ready), "next_request": collector.next_request, "world_size": dist.world}
+    if record is not None:
+        state["record"] = record
     collector.ready.clear()
     if asynchronous or is_sharded(model):
         pending = save_sharded(run_dir, update, model=model, learner=learner, state=state, dist=dist,
@@ -224,10 +330,14 @@ def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collect
 
 def resume_run(resume_dir: Path, *, model, learner, llm, collector, sampler, dist=None) -> tuple[int, int]:
     """Load RESUME_DIR's latest checkpoint into a freshly built run; returns (update, N)."""
-    state = load_checkpoint(latest_checkpoint(resume_dir), model=model, learner=learner, dist=dist)
-    collector.next_request = state.get("next_request", 0)
-    llm.weight_version = state["weight_version"]
-    sampler.load_state_dict(state["sampler"])
-    torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
-    llm.runner.sampler.generator.set_state(torch.tensor(state["engine_rng"], dtype=torch.uint8))
+    path = latest_checkpoint(resume_dir)
+    state = load_checkpoint(path, model=model, learner=learner, dist=dist)
+    try:
+        collector.next_request = state.get("next_request", 0)
+        llm.weight_version = state["weight_version"]
+        sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+        llm.runner.sampler.generator.set_state(torch.tensor(state["engine_rng"], dtype=torch.uint8))
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path / 'state.json'}: damaged ({type(exc).__name__}: {exc})") from None
     return state["update"], state["N"]

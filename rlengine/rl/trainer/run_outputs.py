@@ -8,15 +8,77 @@ run.samples_every updates, the update's responses to samples() (one JSON line pe
 RUN_DIR/samples.jsonl: update, N, prompt and completion text, reward, advantage, token count,
 mean and min token log-prob, finish reason). Only rank 0 writes. torch.utils.tensorboard is
 imported only when asked for, and so is wandb (both packages are optional; the config checks them).
+Crash safety: every line is written whole and flushed and fsynced before the next checkpoint is
+taken, and read_records skips a line a crash cut short (or any line that is not a record), so a
+killed run always resumes; a write that fails (a full disk, a read-only directory) is a ConfigError
+naming the file.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from rlengine.model.config import ConfigError
+
+
+def cannot_write(path: Path, exc: OSError) -> ConfigError:
+    """The one-line error for a run file that could not be written (full disk, read-only, not a directory)."""
+    return ConfigError(f"cannot write {path}: {exc.strerror or exc}")
+
+
+def append_lines(path: Path, lines: list[str]) -> None:
+    """Append whole lines (each ending in a newline), flushed and fsynced: durable before anything after it."""
+    try:
+        with open(path, "a") as f:
+            f.write("".join(ln + "\n" for ln in lines))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise cannot_write(path, exc) from None
+
+
+def replace_lines(path: Path, lines: list[str]) -> None:
+    """Rewrite `path` as `lines` atomically (a temporary file, fsynced, renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write("".join(ln + "\n" for ln in lines))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise cannot_write(path, exc) from None
+
+
+def read_records(path: Path) -> tuple[list[dict], list[int]]:
+    """The records of a metrics.jsonl / samples.jsonl (JSON objects with an integer "update"), and the
+    line numbers skipped: a last line a crash cut short, or any other line that is not a record.
+    A missing file has no records."""
+    if not path.is_file():
+        return [], []
+    records, skipped = [], []
+    for lineno, line in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            record = None
+        if isinstance(record, dict) and type(record.get("update")) is int:
+            records.append(record)
+        else:
+            skipped.append(lineno)
+    return records, skipped
+
+
+def skipped_note(path: Path, skipped: list[int]) -> str:
+    """One line on the lines read_records skipped."""
+    where = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+    return f"{path}: skipped {len(skipped)} unreadable line(s) (line {where}; a write cut short by a crash)"
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -49,22 +111,24 @@ class RunOutputs:
         if wandb is not None and write:
             self.wandb = start_wandb(run_dir, project=wandb_project, config=wandb)
 
-    def reset(self, keep_through: int | None = None) -> None:
+    def reset(self, keep_through: int | None = None, source: Path | None = None) -> None:
         """A new run (keep_through None): empty metrics.jsonl, no samples.jsonl. A resumed one: keep
-        the samples.jsonl lines of updates <= keep_through (the trainer rewrites metrics.jsonl itself)."""
+        the samples.jsonl lines of updates <= keep_through, read from `source` (default: this run's
+        own; a forked run's source is the run it continues). The trainer rewrites metrics.jsonl itself."""
         samples = self.run_dir / "samples.jsonl"
         if keep_through is None:
-            (self.run_dir / "metrics.jsonl").write_text("")
+            replace_lines(self.run_dir / "metrics.jsonl", [])
             samples.unlink(missing_ok=True)
-        elif samples.is_file():
-            kept = [ln for ln in samples.read_text().splitlines() if ln and json.loads(ln)["update"] <= keep_through]
-            samples.write_text("".join(ln + "\n" for ln in kept))
+            return
+        source = source or samples
+        if source.is_file():
+            records, _ = read_records(source)
+            replace_lines(samples, [json.dumps(r) for r in records if r["update"] <= keep_through])
 
     def log(self, record: dict) -> None:
         if not self.write:
             return
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_lines(self.run_dir / "metrics.jsonl", [json.dumps(record)])
         values = scalars(record)
         if self.tb is not None:
             for key, value in values.items():
@@ -77,8 +141,7 @@ class RunOutputs:
         """Append rows (see samples_rows) to samples.jsonl."""
         if not self.write or not rows:
             return
-        with open(self.run_dir / "samples.jsonl", "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        append_lines(self.run_dir / "samples.jsonl", [json.dumps(r) for r in rows])
 
     def close(self) -> None:
         if self.tb is not None:

@@ -7,6 +7,9 @@ Several ranks agree on the boundary (Dist.all_max of the flag once per update), 
 SIGTERM that reaches the ranks at slightly different times still stops them at the same update.
 Handlers can only be installed from the main thread; elsewhere (a notebook's worker thread) the
 run simply has none.
+Before the first update there is nothing to finish: InterruptStart turns the first signal during
+set-up and the format warm start into StartInterrupted, which the command line reports in one line
+(exit 130); the run directory then holds no checkpoint, and a resume starts it over.
 """
 
 from __future__ import annotations
@@ -35,6 +38,36 @@ class StopOnSignal:
                   "(signal again to exit now)", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+
+class StartInterrupted(BaseException):
+    """A stop signal came before the run's first update (BaseException: no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class InterruptStart:
+    """Context manager: the first SIGINT / SIGTERM raises StartInterrupted where the main thread is."""
+
+    def __init__(self):
+        self._previous: dict[int, object] = {}
+
+    @staticmethod
+    def _handle(signum, frame) -> None:
+        raise StartInterrupted(signum)
+
+    def __enter__(self) -> "InterruptStart":
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
