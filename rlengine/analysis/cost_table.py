@@ -10,10 +10,15 @@ with its provenance (device, clocks, commit, versions, how it was made). A model
 plus a launch floor, made before any run on that device) says so in `kind`, and every figure made
 from it must say so too. JSON on disk (never pickle): CostTable.save / CostTable.load, which checks
 the layout and names the field that is wrong.
+
+Reading a cost (decode_s, prefill_s, learner_s): linear interpolation between points (bilinear on the
+decode grid in B_act and context). A query outside the table's range is clamped to the nearest edge and
+flagged, never extrapolated; the device clock (rlengine/tune/clock.py) counts and reports every such step.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,3 +94,67 @@ class CostTable:
             raise ValueError(f"cost table {path}: {exc.strerror or exc}") from None
         except json.JSONDecodeError as exc:
             raise ValueError(f"cost table {path}: not JSON ({exc})") from None
+
+    # ---- reading a cost off the table (the device clock) ----------------------------------------
+    def decode_s(self, b_act: float, context: float) -> tuple[float, bool]:
+        """(seconds of one decode step, outside) by bilinear interpolation on the (B_act, context) grid.
+
+        The decode points must form a full grid (every B_act at every context). A point outside the
+        grid is clamped to its edge, never extrapolated: outside is then True and the caller reports it.
+        """
+        bs, cs, s = self._decode_grid()
+        (i, u, out_b), (j, v, out_c) = _locate(bs, b_act), _locate(cs, context)
+        i2, j2 = min(i + 1, len(bs) - 1), min(j + 1, len(cs) - 1)
+        top = s[i][j] * (1 - v) + s[i][j2] * v
+        bottom = s[i2][j] * (1 - v) + s[i2][j2] * v
+        return top * (1 - u) + bottom * u, out_b or out_c
+
+    def prefill_s(self, tokens: float) -> tuple[float, bool]:
+        """(seconds of one prefill step of `tokens`, outside): linear between points, clamped at the ends."""
+        return _linear(self.prefill, tokens, "prefill", self)
+
+    def learner_s(self, tokens: float) -> tuple[float, bool]:
+        """(seconds of one learner forward + backward over `tokens` packed tokens, outside), as prefill_s."""
+        return _linear(self.learner, tokens, "learner", self)
+
+    def decode_range(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((B_act min, max), (context min, max)) of the decode grid."""
+        bs, cs, _ = self._decode_grid()
+        return (bs[0], bs[-1]), (cs[0], cs[-1])
+
+    def _decode_grid(self) -> tuple[list[int], list[int], list[list[float]]]:
+        grid = _grid(self.decode)
+        if isinstance(grid, str):
+            raise ValueError(f"cost table ({self.model}, {self.dtype}): {grid}")
+        return grid
+
+
+@functools.lru_cache(maxsize=16)
+def _grid(decode: tuple) -> tuple | str:
+    """(B_act values, contexts, seconds [B][context]) of decode points, or what keeps them from a grid."""
+    bs, cs = sorted({p[0] for p in decode}), sorted({p[1] for p in decode})
+    at = {(b, c): s for b, c, s in decode}
+    missing = [(b, c) for b in bs for c in cs if (b, c) not in at]
+    if missing:
+        return f"decode points must form a grid (every B_act at every context); missing (B_act, context) {missing[:4]}"
+    return bs, cs, [[at[b, c] for c in cs] for b in bs]
+
+
+def _locate(grid: list[int], x: float) -> tuple[int, float, bool]:
+    """(index i, weight u of grid[i + 1], outside) for x on a sorted grid, clamped to its ends."""
+    if x <= grid[0] or len(grid) == 1:
+        return 0, 0.0, x < grid[0] or (len(grid) == 1 and x > grid[0])
+    if x >= grid[-1]:
+        return len(grid) - 1, 0.0, x > grid[-1]
+    i = max(k for k in range(len(grid) - 1) if grid[k] <= x)
+    return i, (x - grid[i]) / (grid[i + 1] - grid[i]), False
+
+
+def _linear(points, x: float, name: str, table: CostTable) -> tuple[float, bool]:
+    if not points:
+        raise ValueError(f"cost table ({table.model}, {table.dtype}) has no {name} points to cost a {name} step with")
+    pts = sorted(points)
+    xs = [p[0] for p in pts]
+    i, u, outside = _locate(xs, x)
+    j = min(i + 1, len(pts) - 1)
+    return pts[i][1] * (1 - u) + pts[j][1] * u, outside

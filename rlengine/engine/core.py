@@ -9,7 +9,8 @@ API: it turns vLLM's keywords into the spec, prompts into sequences, and hands f
 back. Output handling (tokens, stops, text, log-prob objects) is output_processor.py's.
 Async scheduling (spec.async_scheduling): step t+1 is scheduled, prepared and launched before step
 t's tokens are read; each sample gets a PENDING placeholder so the next schedule sees its length.
-Every step appends a StepRecord (kind, B_act, tokens, seconds): the trace the asymmetry fits read.
+Every step appends a StepRecord (kind, B_act, tokens, seconds, context): the trace the asymmetry fits and
+the device clock read.
 """
 
 from __future__ import annotations
@@ -178,9 +179,13 @@ class EngineCore:
         with self.ranges("engine.postprocess"):
             outputs = self.outputs.process(batch, out, launched.version)
         now = time.perf_counter()
+        b = len(batch.seqs)
+        if batch.kind == "prefill":  # the device clock costs a prefill by its tokens
+            context = launched.num_tokens
+        else:  # mean tokens attended: the prepared step's [B] host context lengths (one numpy sum)
+            context = int(launched.step.prep.fb.context_lens[:b].sum()) // max(b, 1)
         # forked siblings sample from their leader's prefill too
-        self.trace.append(StepRecord(batch.kind, len(batch.seqs), launched.num_tokens,
-                                     now - max(launched.started, self._last_read),
-                                     len(batch.samples) if batch.kind == "prefill" else 0))
+        self.trace.append(StepRecord(batch.kind, b, launched.num_tokens, now - max(launched.started, self._last_read),
+                                     len(batch.samples) if batch.kind == "prefill" else 0, context))
         self._last_read = now
         return outputs

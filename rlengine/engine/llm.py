@@ -106,7 +106,7 @@ class LLM:
         # the core's parts, under the names vLLM-style code and the tests use
         c = self.core
         self.kv_pool, self.kv_cache, self.backend, self.block_manager = c.kv_pool, c.kv_cache, c.backend, c.block_manager
-        self.scheduler, self.runner, self.trace, self.ranges = c.scheduler, c.runner, c.trace, c.ranges
+        self.scheduler, self.runner, self.trace = c.scheduler, c.runner, c.trace
         self._stashed: list[RequestOutput] = []  # outputs of other requests that finished inside generate()
         self._request_ids = itertools.count()
 
@@ -137,6 +137,15 @@ class LLM:
     @weight_version.setter
     def weight_version(self, v: int) -> None:
         self.core.weight_version = v
+
+    @property
+    def ranges(self):
+        """The engine.* NVTX / profiler ranges (telemetry/nvtx.py) the core's steps open."""
+        return self.core.ranges
+
+    @ranges.setter
+    def ranges(self, ranges) -> None:
+        self.core.ranges = ranges
 
     @property
     def phase_listener(self):

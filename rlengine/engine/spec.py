@@ -27,7 +27,7 @@ class EngineSpec:
     max_model_len: int | None = None       # prompt + response; None: the model's max_position_embeddings
     attention_backend: str = "auto"        # auto | torch | cpp | triton | flashinfer | invariant
     seed: int = 0                          # the sampler's seed for requests without one
-    moe_impl: str = "auto"                 # ref | triton | auto (a model built by the engine)
+    moe_impl: str = "auto"                 # ref | triton | auto (a model the engine builds); a plan records invariant
     record_routing: bool = False           # MoE: record expert ids for replay in the learner
     enforce_eager: bool = False            # no decode CUDA graphs
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode graph buckets (None: the default ladder)

@@ -7,6 +7,9 @@ quantities of docs/METHOD.md's generation side: q_gen = responses / t_gen, q = r
 (t_gen + t_train), and the distribution of B_act over decode steps, weighted by step time
 (a step that takes twice as long counts twice: the question is what the GPU spent its time on).
 
+A step's `context` (mean tokens attended per sequence, rounded) is what the device clock needs next to
+B_act to re-cost the step on another device (rlengine/tune/clock.py).
+
 Simplification: one generated token per sequence per decode step, plus one per sequence that
 sampled from prefill logits (`num_seqs_prefilled`: all G members of a forked GRPO group count).
 """
@@ -29,6 +32,7 @@ class StepRecord:
     tokens: int                  # tokens processed: prompt tokens (prefill) or B_act (decode)
     seconds: float               # wall time of the step
     num_seqs_prefilled: int = 0  # sequences that sampled a token from this prefill (forked group members too)
+    context: int = 0             # mean tokens attended per sequence (decode: cached + this one; prefill: tokens)
 
 
 @dataclass(slots=True, kw_only=True)

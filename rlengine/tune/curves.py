@@ -2,7 +2,8 @@
 
 A run's records are the lines of its metrics.jsonl (or Trainer.history): one per update, with N,
 t_gen, t_train, actor_grad_norm, policy_lag_mean, and J where it was evaluated (always at N = 0).
-T is the run's own clock: cumulative t_gen + t_train, evaluation excluded (every configuration is
+T is the run's own clock (or a device clock, tune/clock.py: its step trace re-costed on a device's
+table): cumulative t_gen + t_train, evaluation excluded (every configuration is
 evaluated on the same N grid, so leaving it out favours none). N* is the first crossing of J*
 with J linearly interpolated between evaluations, T at N* interpolated on the same clock.
 Seeds of one configuration are summarised by their mean and spread; a seed that never reached
@@ -69,8 +70,9 @@ def curve_from_records(records: Sequence[dict], config: dict, *, name: str, labe
                     update_stale=tuple(stale))
 
 
-def read_run(run_dir: str | Path) -> RunCurve:
-    """A RunCurve from a run directory (config.json + metrics.jsonl; tune_run.json when tune wrote it)."""
+def read_run(run_dir: str | Path, clock=None) -> RunCurve:
+    """A RunCurve from a run directory (config.json + metrics.jsonl; tune_run.json when tune wrote it).
+    clock: a tune.clock.DeviceClock; T is then the run's trace.jsonl re-costed on its table."""
     run_dir = Path(run_dir)
     cfg_path, metrics = run_dir / "config.json", run_dir / "metrics.jsonl"
     if not cfg_path.is_file() or not metrics.is_file():
@@ -78,6 +80,12 @@ def read_run(run_dir: str | Path) -> RunCurve:
     config = json.loads(cfg_path.read_text())
     records = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
     meta = json.loads((run_dir / "tune_run.json").read_text()) if (run_dir / "tune_run.json").is_file() else {}
+    if clock is not None:
+        from rlengine.rl.trainer.trace_file import read_trace
+
+        records = clock.recost(records, read_trace(run_dir), run=str(run_dir))
+        clock.check_model(str(config["model"]["name"]), str(config["model"]["dtype"]))
+        meta = {**meta, "clock": clock.label}
     return curve_from_records(records, config, name=meta.get("name", run_dir.name), label=meta.get("label", ""),
                               stage=meta.get("stage", "run"), stopped_at_target=meta.get("stopped_at_target", False),
                               wall_s=meta.get("wall_s", 0.0), cpu_s=meta.get("cpu_s", 0.0),

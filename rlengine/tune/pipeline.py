@@ -13,6 +13,7 @@ grad-norm slope and figures, with no runs started.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -21,7 +22,8 @@ from rlengine.tune.curves import candidate_stats, group_curves, lr_effective, re
 from rlengine.tune.runner import TrainerRunner, plan_config, run_plans
 from rlengine.plan.specs import PlanChange
 from rlengine.tune.stage1 import budgets, curve_change, lr_scale, run_stage1
-from rlengine.tune.stats import faster_per_seed, paired_log_ratio, sign_test_p
+from rlengine.tune.stats import (CS_METHOD, faster_per_seed, log_confidence_sequence, sequential_verdict,
+                                 sign_test_p)
 from rlengine.tune.stage2 import run_stage2
 from rlengine.tune.table import build_rows, choose_row
 from rlengine.tune.stage_records import (Confirmation, GenPoint, GenSweep, RunCurve, RunPlan, RunsReport, TableRow,
@@ -40,9 +42,13 @@ def chosen_change(spec: TuneSpec, b_train: int, b_gen: int, kv_blocks: int = 0, 
 
 def confirm(spec: TuneSpec, chosen: tuple[str, PlanChange], baseline: tuple[str, PlanChange], runner: Runner,
             notes: list[str]) -> tuple[Confirmation | None, list[RunCurve]]:
-    """(label, change) of the chosen configuration against a baseline's on spec.confirm_seeds fresh
-    seeds, each to J* (or its budget). The pairs go to the runner as one list, each seed's baseline
-    run next to its chosen run, so with two workers the two runs of a seed run side by side."""
+    """(label, change) of the chosen configuration against a baseline's on fresh seeds, each run to J*
+    (or its budget), one seed pair at a time (its baseline run next to its chosen run, side by side with
+    two workers), until the answer is clear: the 95% confidence sequence on T_chosen / T_baseline
+    (stats.log_confidence_sequence, over the pairs where both reached J*) excludes 1, or lies within
+    [1 / (1 + spec.min_effect), 1 + spec.min_effect], or spec.confirm_seeds pairs (the cap) or the
+    time budget are spent. The confidence sequence holds at every number of pairs at once, so stopping
+    on it keeps its 95% (a t-interval recomputed after each pair would not)."""
     _, every = budgets(spec)
     (label, change), (base_label, base_change) = chosen, baseline
     chosen_over = dataclasses.replace(change, eval_every_responses=every)
@@ -51,37 +57,54 @@ def confirm(spec: TuneSpec, chosen: tuple[str, PlanChange], baseline: tuple[str,
     if _meaning(spec.job, _with(probe, chosen_over)) == _meaning(spec.job, _with(probe, base_over)):
         notes.append(f"confirmation: the chosen configuration {label} is {base_label}; nothing to compare")
         return None, []
-    seeds = tuple(range(max(spec.seeds) + 1, max(spec.seeds) + 1 + spec.confirm_seeds))
     stop = spec.target_j if spec.stop_at_target else None
-    plans = []
-    for seed in seeds:
-        plans += [RunPlan(name=f"cf-base-s{seed}", stage="confirm", label=base_label, seed=seed, change=base_over,
-                          target_j=stop),
-                  RunPlan(name=f"cf-tuned-s{seed}", stage="confirm", label=f"tuned {label}", seed=seed,
-                          change=chosen_over, target_j=stop)]
-    t_c, t_d, end_c, end_d, curves = [], [], [], [], []
-    for plan, curve in zip(plans, run_plans(runner, plans)):
-        out, end = (t_c, end_c) if plan.name.startswith("cf-tuned") else (t_d, end_d)
-        if curve is None:
-            notes.append(f"confirmation: {plan.label} seed {plan.seed} not run (time budget spent)")
-            out.append(None)
-            end.append(0.0)
-            continue
-        curves.append(curve)
-        out.append(target_hit(curve, spec.target_j).t_star)
-        end.append(curve.update_t[-1] if curve.update_t else 0.0)
+    t_c, t_d, end_c, end_d, curves, seeds = [], [], [], [], [], []
+    ci, reason = None, f"the cap of {spec.confirm_seeds} pairs (--confirm-seeds)"
+    for seed in range(max(spec.seeds) + 1, max(spec.seeds) + 1 + spec.confirm_seeds):
+        plans = [RunPlan(name=f"cf-base-s{seed}", stage="confirm", label=base_label, seed=seed, change=base_over,
+                         target_j=stop),
+                 RunPlan(name=f"cf-tuned-s{seed}", stage="confirm", label=f"tuned {label}", seed=seed,
+                         change=chosen_over, target_j=stop)]
+        got = run_plans(runner, plans)
+        if all(c is None for c in got):
+            reason = f"the time budget, after {len(seeds)} pairs"
+            notes += [f"confirmation: {p.label} seed {p.seed} not run (time budget spent)" for p in plans]
+            break
+        seeds.append(seed)
+        for plan, curve in zip(plans, got):
+            out, end = (t_c, end_c) if plan.name.startswith("cf-tuned") else (t_d, end_d)
+            if curve is None:
+                notes.append(f"confirmation: {plan.label} seed {plan.seed} not run (time budget spent)")
+                out.append(None)
+                end.append(0.0)
+                continue
+            curves.append(curve)
+            out.append(target_hit(curve, spec.target_j).t_star)
+            end.append(curve.update_t[-1] if curve.update_t else 0.0)
+        pairs = [(c, d) for c, d in zip(t_c, t_d) if c and d]
+        ci = log_confidence_sequence([math.log(c / d) for c, d in pairs])
+        verdict = sequential_verdict(ci, spec.min_effect)
+        if verdict is not None:
+            reason = f"{verdict} after {len(seeds)} pairs"
+            break
+    return _confirmation(label, base_label, seeds, (t_c, t_d, end_c, end_d), ci, reason), curves
+
+
+def _confirmation(label: str, base_label: str, seeds: list[int], times, ci, reason: str) -> Confirmation:
+    """The Confirmation record of the pairs run: per-seed times, the interval, the per-seed order."""
+    t_c, t_d, end_c, end_d = times
     ratio = tuple(c / d for c, d in zip(t_c, t_d) if c is not None and d is not None)
     mc = [t for t in t_c if t is not None]
     md = [t for t in t_d if t is not None]
     rom = (sum(mc) / len(mc)) / (sum(md) / len(md)) if mc and md else None
-    pairs = [(c, d) for c, d in zip(t_c, t_d) if c and d]
-    ci = paired_log_ratio([c for c, _ in pairs], [d for _, d in pairs]) if pairs else None
     order = faster_per_seed(t_c, t_d, end_c, end_d)
     known = [f for f in order if f is not None]
-    return Confirmation(chosen=label, default=base_label, seeds=seeds, t_chosen=tuple(t_c), t_default=tuple(t_d),
-                        ratio=ratio, ratio_of_means=rom, interval=dataclasses.asdict(ci) if ci else None,
-                        t_chosen_end=tuple(end_c), t_default_end=tuple(end_d),
-                        faster=tuple(order), sign_p=sign_test_p(sum(known), len(known)) if known else None), curves
+    return Confirmation(chosen=label, default=base_label, seeds=tuple(seeds), t_chosen=tuple(t_c),
+                        t_default=tuple(t_d), ratio=ratio, ratio_of_means=rom,
+                        interval=dataclasses.asdict(ci) if ci else None, t_chosen_end=tuple(end_c),
+                        t_default_end=tuple(end_d), faster=tuple(order),
+                        sign_p=sign_test_p(sum(known), len(known)) if known else None,
+                        method=CS_METHOD, stop_reason=reason)
 
 
 def coupled_best(rows: Sequence[TableRow], reference: str) -> TableRow | None:
@@ -121,11 +144,16 @@ def tune(spec: TuneSpec, out_dir: str | Path, *, runner: Runner | None = None, r
     """Run Algorithm 1 (docs/METHOD.md) for `spec`, writing every run under out_dir/runs and the report in out_dir."""
     from rlengine.tune.report import write_report
 
+    from rlengine.tune.clock import DeviceClock
+
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
+    clock = DeviceClock.load(spec.cost_table) if spec.cost_table else None
     runner = runner or TrainerRunner(spec.job, out_dir, resume=resume, budget_s=spec.budget_s, clock=spec.clock,
-                                     threads=spec.threads, workers=spec.workers, log=log)
+                                     threads=spec.threads, workers=spec.workers, log=log, device_clock=clock)
     notes: list[str] = []
+    if clock is not None:
+        log(f"tune: clock: {clock.label} (each run's step trace re-costed; the runs time themselves too)")
     log(f"tune: stage 1 (training batch): B_train {sorted(spec.b_train)}, seeds {list(spec.seeds)}, "
         f"J* = {spec.target_j}")
     s1 = run_stage1(spec, runner, notes)
@@ -140,11 +168,16 @@ def tune(spec: TuneSpec, out_dir: str | Path, *, runner: Runner | None = None, r
         change = chosen_change(spec, best.b_train, best.b_gen, s2.kv_blocks, lr_scale(s1, best.b_train))
         if spec.confirm_seeds:
             base = baseline_for(spec, s1, s2, rows, best)
-            log(f"tune: confirmation: {best.label} against {base[0]} on {spec.confirm_seeds} fresh seeds")
+            log(f"tune: confirmation: {best.label} against {base[0]}, fresh seed pairs until the 95% confidence "
+                f"sequence is decisive (at most {spec.confirm_seeds})")
             conf, curves = confirm(spec, (best.label, change), base, runner, notes)
+    header = run_header(spec, s1)
+    if clock is not None:
+        notes += clock.notes()
+        header["device_clock"] = clock.summary()
     result = TuneResult(spec=spec, stage1=s1, stage2=s2, rows=tuple(rows), chosen=best.label if best else "",
                         chosen_overrides=change.overrides(), confirmation=conf, confirm_curves=tuple(curves),
-                        notes=tuple(notes), wall_s=time.perf_counter() - t0, header=run_header(spec, s1),
+                        notes=tuple(notes), wall_s=time.perf_counter() - t0, header=header,
                         chosen_lr=best.lr if best else 0.0)
     write_report(result, out_dir)
     log(f"tune: report in {out_dir} ({result.wall_s:.0f} s)")
@@ -183,12 +216,13 @@ def find_run_dirs(paths: Sequence[str | Path]) -> list[Path]:
 
 
 def report_runs(paths: Sequence[str | Path], target_j: float, *, reference: str = "", delta: float = 0.1,
-                stages: Sequence[str] = ("stage1", "control", "recheck", "run")) -> RunsReport:
+                stages: Sequence[str] = ("stage1", "control", "recheck", "run"), clock=None) -> RunsReport:
     """The accounting of existing runs: seeds of one configuration (same B_train, B_gen, LR rule) are
     grouped; `reference` is a configuration label (default: the first run's). Probe and confirmation
-    runs of a tune are left out unless `stages` names them."""
+    runs of a tune are left out unless `stages` names them. clock: a tune.clock.DeviceClock; T is then
+    each run's step trace re-costed on its table."""
     notes: list[str] = []
-    curves = [c for c in (read_run(d) for d in find_run_dirs(paths)) if c.stage in stages]
+    curves = [c for c in (read_run(d, clock) for d in find_run_dirs(paths)) if c.stage in stages]
     if not curves:
         raise ValueError(f"no runs of stages {list(stages)} among the given directories")
     clocks = sorted({c.clock for c in curves})
@@ -208,9 +242,11 @@ def report_runs(paths: Sequence[str | Path], target_j: float, *, reference: str 
             notes.append(f"{c.label} reached J* = {target_j} on {c.reached}/{len(c.hits)} seeds")
     rows = build_rows(cands, reference)
     best = choose_row(rows, reference)
+    if clock is not None:
+        notes += clock.notes()
     return RunsReport(target_j=target_j, reference=reference, candidates=tuple(cands), curves=tuple(curves),
                       rows=tuple(rows), sweeps=tuple(_run_sweeps(cands, delta)), chosen=best.label if best else "",
-                      grad_window=window, notes=tuple(notes))
+                      grad_window=window, notes=tuple(notes), clock=clock.summary() if clock is not None else {})
 
 
 def _run_sweeps(cands: Sequence, delta: float) -> list[GenSweep]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from rlengine.tune.gradnorm import SlopeFit, grad_norm_slope
-from rlengine.tune.report_md import (candidates_markdown, confirm_markdown, grad_lines, header_markdown,
+from rlengine.tune.report_md import (candidates_markdown, clock_name, confirm_markdown, grad_lines, header_markdown,
                                      slopes_markdown, sweeps_markdown, table_markdown)
 from rlengine.tune.stage_records import CandidateStats, RunsReport, TableRow, TuneResult
 
@@ -130,7 +130,7 @@ def write_report(result: TuneResult, out_dir: str | Path) -> Path:
           f"(evaluation excluded); N* where the isotonic fit of J crosses J*; means over the seeds that "
           f"reached J*. {n_runs} runs, {run_wall:.0f} s of wall time in them (this invocation "
           f"{result.wall_s:.0f} s).", "",
-          "## Table 1", "", table_markdown(result.rows, s1.reference), "",
+          "## Table 1", "", f"Clock (T, q): {clock_name(result)}.", "", table_markdown(result.rows, s1.reference), "",
           f"Chosen: **{result.chosen or 'none'}**" + (" (chosen.toml)" if result.chosen_overrides else ""), "",
           "## Per candidate: where the time goes", "", candidates_markdown(result), "",
           "## Stage 2: q against B_gen", "", sweeps_markdown(s2.sweeps) if s2.sweeps else "(no sweep)", ""]
@@ -158,7 +158,11 @@ def write_runs_report(result: RunsReport, out_dir: str | Path) -> Path:
     payload["grad_fits"] = {k: dataclasses.asdict(v) for k, v in fits.items()}
     (out_dir / "report.json").write_text(json.dumps(payload, indent=1))
     figures = draw_figures(out_dir / "report.json", out_dir / "figures")
-    md = [f"# rlengine report: J* = {result.target_j}", "", table_markdown(result.rows, result.reference), "",
+    clocks = ", ".join(sorted({c.clock for c in result.curves}))
+    md = [f"# rlengine report: J* = {result.target_j}", "",
+          f"Clock (T, q): {result.clock['label'] if result.clock else clocks}" + (
+              " (each run's step trace re-costed on that table)" if result.clock else ""), "",
+          table_markdown(result.rows, result.reference), "",
           f"Best (max q / r_N among configurations that reached J* on every seed): **{result.chosen or 'none'}**", "",
           sweeps_markdown(result.sweeps) if result.sweeps else "", "",
           grad_lines(result.candidates, result.grad_window), "",

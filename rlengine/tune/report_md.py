@@ -27,11 +27,18 @@ def ci_text(ci: dict | None) -> str:
     return f"{ci['ratio']:.2f} [{ci['lo']:.2f}, {ci['hi']:.2f}]"
 
 
+def clock_name(result: TuneResult) -> str:
+    """The clock T was measured on, as every table and verdict names it: wall, cpu or a device clock."""
+    return "+".join(result.header.get("clock", [])) or "?"
+
+
 def header_markdown(result: TuneResult) -> str:
     h = result.header
     clock = "+".join(h.get("clock", [])) or "?"
     what = ("process CPU seconds (CPU-clock: other processes' load stays out of T)" if clock == "cpu"
-            else "wall-clock seconds")
+            else "wall-clock seconds" if clock == "wall"
+            else f"device clock, {clock} (each run's step trace re-costed on that table; the runs' own times "
+                 "are kept in their metrics.jsonl)")
     load = (f"{h['load_min']:.2f} to {h['load_max']:.2f}" if h.get("load_min") is not None else "unknown")
     busy = _f(h.get("cpu_per_wall"), "{:.2f}")
     flags = " ".join(h.get("cpu_isa") or []) or "flags unknown"
@@ -131,9 +138,13 @@ def confirm_markdown(result: TuneResult) -> str:
         ratio = f"{a / b:.2f}" if a is not None and b is not None else "-"
         lines.append(f"| {s} | {_f(a, '{:.2f}')} | {_f(b, '{:.2f}')} | {ratio} |")
     ci = c.interval
+    method = c.method or "95% t-interval on log ratios"
+    if c.stop_reason:
+        lines.append(f"\nPairs added one at a time; stopped: {c.stop_reason}. Interval: {method}.")
     if ci:
-        lines.append(f"\nT_chosen / T_baseline: {ci_text(ci)} (geometric mean over {ci['k']} paired seeds, 95% "
-                     f"t-interval on log ratios); ratio of mean times {_f(c.ratio_of_means, '{:.2f}')}.")
+        lines.append(f"\nT_chosen / T_baseline: {ci_text(ci)} (geometric mean over {ci['k']} paired seeds, "
+                     f"{ci.get('method', 't-interval')}); ratio of mean times {_f(c.ratio_of_means, '{:.2f}')}; "
+                     f"clock: {clock_name(result)}.")
         if ci["resolvable"] is not None:
             lines.append(f"Smallest effect this confirmation can resolve: {ci['resolvable']:.0%} (the interval's "
                          f"half-width; a true effect smaller than that is indistinguishable from none here).")
@@ -145,7 +156,7 @@ def confirm_markdown(result: TuneResult) -> str:
         lines.append(f"\nOrder per seed, the seeds where one run missed J* included when the other reached it "
                      f"before the missed run stopped: the chosen configuration was faster on {len(won)} of "
                      f"{len(known)} seeds ({', '.join(map(str, won)) or 'none'}); two-sided sign test p = "
-                     f"{c.sign_p:.3f}. The t-interval above pairs only the seeds where both reached J*.")
+                     f"{c.sign_p:.3f}. The interval above pairs only the seeds where both reached J*.")
     return "\n".join(lines)
 
 

@@ -131,7 +131,10 @@ class TrainerRunner:
     `workers` of them at once in worker processes."""
 
     def __init__(self, job: dict, out_dir: str | Path, *, resume: bool = False, budget_s: float = 0.0,
-                 clock: str = "auto", threads: int = 1, workers: int = 1, log: Callable[[str], None] = print):
+                 clock: str = "auto", threads: int = 1, workers: int = 1, log: Callable[[str], None] = print,
+                 device_clock=None):
+        """device_clock: a tune.clock.DeviceClock; every curve's T is then its run's trace re-costed on it
+        (the runs still time themselves on `clock`, recorded in tune_run.json)."""
         if threads < 1:
             raise ConfigError(f"tune: threads must be >= 1, got {threads}")
         if workers < 1:
@@ -143,6 +146,7 @@ class TrainerRunner:
         self.done = 0
         self.python = sys.executable          # the interpreter worker processes run
         self.warmstart_cache = str(self.out_dir / "warmstart")
+        self.device_clock = device_clock
 
     @property
     def elapsed(self) -> float:
@@ -200,7 +204,7 @@ class TrainerRunner:
                 raise ConfigError(f"tune --resume: {run_dir} was run with a different config or clock; "
                                   f"remove it or choose another --out")
             self.log(f"[{plan.stage}] {plan.label} seed {plan.seed}: finished earlier, read from {run_dir}")
-            return read_run(run_dir)
+            return read_run(run_dir, self.device_clock)
         if run_dir.exists():  # interrupted earlier: start it again from nothing
             shutil.rmtree(run_dir)
         return None
@@ -212,7 +216,7 @@ class TrainerRunner:
         task = logs / f"{plan.name}.json"
         task.write_text(json.dumps({"job": self.job, "plan": dataclasses.asdict(plan), "out_dir": str(self.out_dir),
                                     "clock": self.clock, "threads": self.threads,
-                                    "warmstart_cache": self.warmstart_cache}))
+                                    "warmstart_cache": self.warmstart_cache, "parent_pid": os.getpid()}))
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads)}
         with open(logs / f"{plan.name}.log", "w") as fh:
             return subprocess.Popen([self.python, "-m", "rlengine.tune.worker", str(task)], stdout=fh,
@@ -224,7 +228,7 @@ class TrainerRunner:
             tail = "\n".join(log.read_text().splitlines()[-15:]) if log.is_file() else ""
             raise RuntimeError(f"tune: run {plan.name} failed in its worker (exit {proc.returncode}); "
                                f"its log {log} ends:\n{tail}")
-        curve = read_run(run_dir)
+        curve = read_run(run_dir, self.device_clock)
         self.done += 1
         self._report(plan, curve, time.perf_counter() - t0)
         return curve
@@ -250,13 +254,21 @@ class TrainerRunner:
         target = plan.target_j
         trainer.run(stop_when=None if target is None else
                     lambda r: r["update"] > 0 and r.get("J") is not None and r["J"] >= target)
+        if trainer.interrupted:  # a stop signal: the run is unfinished, so no tune_run.json (--resume redoes it)
+            raise KeyboardInterrupt
         stopped = trainer.stopped_early
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         load = (load0, _load())
         engine = engine_facts(trainer.llm)
-        curve = curve_from_records(trainer.history, cfg.to_dict(), name=plan.name, label=plan.label,
+        records, clock = trainer.history, self.clock
+        if self.device_clock is not None:  # T on the device clock: the run's step trace re-costed
+            from rlengine.rl.trainer.trace_file import read_trace
+
+            records, clock = self.device_clock.recost(records, read_trace(run_dir), run=str(run_dir)), self.device_clock.label
+            self.device_clock.check_model(cfg.model.name, cfg.model.dtype)
+        curve = curve_from_records(records, cfg.to_dict(), name=plan.name, label=plan.label,
                                    stage=plan.stage, stopped_at_target=stopped, wall_s=wall, cpu_s=cpu,
-                                   load=load, engine=engine, clock=self.clock, threads=self.threads)
+                                   load=load, engine=engine, clock=clock, threads=self.threads)
         dist = getattr(trainer, "dist", None)
         if dist is None or dist.is_main:
             meta = {"name": plan.name, "label": plan.label, "stage": plan.stage, "seed": plan.seed,

@@ -37,10 +37,12 @@ class TuneSpec:
     probe_updates: int = 12              # updates per stage-2 throughput probe
     probe_skip: int = 2                  # leading probe updates left out of q (partial rollouts filling up)
     recheck: int = 1                     # survivors whose async B_gen is re-checked for J (best predicted first)
-    confirm_seeds: int = 3               # fresh seeds for chosen-vs-job; 0 = no confirmation
+    confirm_seeds: int = 16              # cap on the confirmation's fresh seed pairs (sequential); 0 = none
+    min_effect: float = 0.1              # the confirmation stops once its interval lies within 1 +- this
     budget_s: float = 0.0                # stop starting runs after this many seconds; 0 = no limit
     clock: str = "auto"                  # t_gen / t_train as wall | cpu (process CPU time) seconds;
                                          # auto = cpu when the job runs on the CPU, else wall
+    cost_table: str = ""                 # a CostTable JSON: T re-costed from each run's trace (tune/clock.py)
     threads: int = 1                     # torch threads every run uses (fixed, recorded)
     workers: int = 1                     # runs at once, each in its own process with `threads` threads
     retune_eps: float = 0.1              # stage 1: retune the LR of a candidate with r_N > 1 + eps
@@ -61,6 +63,8 @@ class TuneSpec:
             raise ValueError(f"clock must be auto|wall|cpu, got {self.clock!r}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if not 0 < self.min_effect < 1:
+            raise ValueError(f"min_effect must be in (0, 1), got {self.min_effect}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.retune_eps < 0:
@@ -292,6 +296,8 @@ class Confirmation:
     t_default_end: tuple[float, ...] = ()
     faster: tuple[bool | None, ...] = ()  # [K] chosen reached J* sooner (None: order unknown, both missed)
     sign_p: float | None = None          # two-sided sign test over the seeds whose order is known
+    method: str = ""                     # how the interval was made (stats.CS_METHOD: a confidence sequence)
+    stop_reason: str = ""                # why no further pair was added (decisive, below min effect, cap, budget)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -325,3 +331,4 @@ class RunsReport:
     chosen: str                          # the row maximising q / r_N ("" when none is eligible)
     grad_window: float                   # grad norms averaged over updates with N <= this
     notes: tuple[str, ...] = ()
+    clock: dict = field(default_factory=dict)  # the device clock's summary (tune/clock.py); {}: the runs' own

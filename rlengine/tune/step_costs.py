@@ -12,6 +12,10 @@ at two batch sizes, and the learner's seconds per response from one update-sized
 Both measurements use random weights and tokens (times do not depend on their values) and the job's
 dtype, at the torch thread count the tune runs with. The optimizer step is left out of t_train (one
 pass over the parameters: small next to the forward and backward of B_train sequences).
+
+With a cost table (`rlengine tune --predict TABLE.json`, table_knee) the same q(B) is read off the table
+instead (decode(B, context) by the table's own interpolation, the learner and optimizer per response):
+the cost model the device clock re-costs a clocked stage 2 with, so the two agree by construction.
 """
 
 from __future__ import annotations
@@ -89,3 +93,47 @@ def measure_step_costs(job: dict, *, batches: tuple[int, int] = (16, 128), promp
     train = _learner_s(model, b_train, prompt_len + max_tokens) / b_train
     return StepCosts(d0=d0, d1=d1, train_per_response=train, response_len=max_tokens, batches=(small, large),
                      step_s=(t_small, t_large))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TableKnee:
+    """The end-to-end q knee of a job on a cost table's device (`rlengine tune --predict TABLE.json`)."""
+
+    clock: str                      # the table, as every figure names it (tune/clock.py DeviceClock.label)
+    context: int                    # mean context a decode step is costed at
+    response_len: int               # L: decode steps per response (gen.max_tokens)
+    train_per_response: float       # (learner(B_train x tokens per response) + optimizer_s) / B_train, seconds
+    critical_b: int                 # smallest B with q(B) >= (1 - delta) q(b_max)
+    q_max: float                    # q(b_max), responses/s
+    b_max: int                      # min(the cap asked, the table's largest B_act): never extrapolated
+    delta: float
+
+
+def table_knee(table, job: dict, *, path: str, context: int, delta: float = 0.1, b_max: int = 4096) -> TableKnee:
+    """The knee of q(B) = 1 / (L decode(B, context) / B + t_train per response) on a CostTable: the same
+    interpolation the device clock re-costs stage 2's runs with (tune/clock.py), so the predicted knee and
+    a clocked stage 2 read one cost model. B above the table's largest B_act is not considered."""
+    from rlengine.tune.clock import DeviceClock
+    from rlengine.tune.predict import _smallest_b
+
+    b_train, max_tokens = int(job["train"]["b_train"]), int(job["gen"]["max_tokens"])
+    prompt_len = max(1, context - max_tokens // 2)   # learner tokens per response: the prompt and the response
+    learner, _ = table.learner_s(b_train * (prompt_len + max_tokens))
+    train = (learner + table.optimizer_s) / b_train
+    (_, b_top), _ = table.decode_range()
+    top = min(b_max, b_top)
+
+    def q(b: int) -> float:
+        return 1.0 / (max_tokens * table.decode_s(b, context)[0] / b + train)
+
+    q_top = q(top)
+    return TableKnee(clock=DeviceClock(table=table, path=path).label, context=context, response_len=max_tokens,
+                     train_per_response=train, critical_b=_smallest_b(q, (1 - delta) * q_top, top), q_max=q_top,
+                     b_max=top, delta=delta)
+
+
+def format_table_knee(k: TableKnee, b_train: int) -> str:
+    return (f"predicted B_gen knee on the clock {k.clock}: critical B_gen {k.critical_b} (smallest B with q >= "
+            f"(1 - {k.delta}) q({k.b_max}) = {(1 - k.delta) * k.q_max:.4g} responses/s); {k.critical_b / b_train:.2g} "
+            f"x B_train {b_train}\n  decode costed at context {k.context}, L = {k.response_len}; learner + optimizer "
+            f"{k.train_per_response * 1e3:.3f} ms/response; B above the table's largest B_act ({k.b_max}) not considered")

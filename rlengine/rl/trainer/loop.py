@@ -3,7 +3,8 @@
 One process, one model: the engine (LLM) decodes with the learner's parameters, and an
 optimizer step is visible at the next decode step with no copy. The job's parts are built by
 parts.py; each update boundary appends one record (record.py, verl_metrics.py) to
-RUN_DIR/metrics.jsonl (run_outputs.py also writes samples.jsonl, TensorBoard files and wandb) and
+RUN_DIR/metrics.jsonl (run_outputs.py also writes samples.jsonl, TensorBoard files and wandb; trace_file.py
+the step trace RUN_DIR/trace.jsonl that the device clock re-costs) and
 one line to the console (progress.py, which also reports the set-up phases). Evaluation
 (rollout/evaluation.py) uses a second LLM over the SAME module, so in-flight partial rollouts of
 the training engine are never disturbed. Rewards run through one reward runner per job
@@ -24,7 +25,6 @@ from rlengine.rl.config import TrainConfig
 from rlengine.rl.data.tasks import assign_token_credits
 from rlengine.rl.data.warmstart import cached_warmstart, format_warmstart, warmstart_key
 from rlengine.rl.distributed import Dist, init_from_env
-from rlengine.rl.algo.registry import algorithm
 from rlengine.rl.learner.batching import estimate_batch
 from rlengine.rl.rollout.collector import CollectStats
 from rlengine.rl.trainer.checkpoint import resume_run, save_run
@@ -33,9 +33,10 @@ from rlengine.rl.trainer.parts import build_learner, build_parts
 from rlengine.rl.trainer.progress import RunConsole
 from rlengine.rl.trainer.record import UpdateTimes, boundary_since, engine_mark, update_record, write_telemetry
 from rlengine.plan.specs import saved_micro_batch
-from rlengine.rl.trainer.run_dir import check_new_run, keep_metrics_through, start_new_run, write_plan
+from rlengine.rl.trainer.run_dir import keep_metrics_through, prepare_run_dir, start_new_run, write_plan
 from rlengine.rl.trainer.run_outputs import RunOutputs, write_samples
 from rlengine.rl.trainer.signals import StopOnSignal
+from rlengine.rl.trainer.trace_file import TraceFile, update_trace
 from rlengine.rl.trainer.verl_metrics import StepWall, advantage_sums, timing_fields
 from rlengine.telemetry.nvml import NvmlSampler
 from rlengine.telemetry.profiler import ProfileWindow, step_profiler
@@ -48,7 +49,7 @@ def train_batch(groups, t, task, tok):
     token_credit = t.credit == "token"
     if token_credit and any(not g.token_credits for g in groups):  # the collector sets them
         assign_token_credits(groups, task, tok)
-    return estimate_batch(groups, algorithm(t.algo).estimator, t, token_credit=token_credit)
+    return estimate_batch(groups, t.algorithm.estimator, t, token_credit=token_credit)  # train.adv_estimator applied
 
 
 def eval_fields(metrics: dict) -> dict:
@@ -75,16 +76,17 @@ class Trainer:
         profile: a directory for a torch.profiler trace of the RL updates in profile_window (START:STOP)."""
         self.cfg, self.profile = cfg, (profile, ProfileWindow.parse(profile_window))  # (out dir, window)
         self.run_dir = Path(cfg.run_dir)
-        self.resume_dir = Path(resume_from) if resume_from is not None else (self.run_dir if resume else None)
-        if self.resume_dir is None:  # a new run: never silently into another run's directory (checked
-            check_new_run(self.run_dir, cfg.run.overwrite)  # before the first collective: no rank wrote yet)
+        asked = Path(resume_from) if resume_from is not None else (self.run_dir if resume else None)
+        # never into another run's directory (checked before the first collective: no rank wrote yet);
+        # None: a new run, or a resumed one stopped before its first checkpoint, which starts over
+        self.resume_dir = prepare_run_dir(self.run_dir, asked, cfg.run.overwrite)
         self.dist = dist if dist is not None else init_from_env(cfg.run.dist_timeout_s, cfg.run.save_timeout_s)
         self.dist.check_same("config", cfg.to_dict())
         if self.dist.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         self.console = RunConsole(enabled=cfg.run.progress and self.dist.is_main,
-                                  filtering=t.dynamic_sampling and algorithm(t.algo).group_relative)
+                                  filtering=t.dynamic_sampling and t.algorithm.group_relative)
         with self.console.status(f"building the job: model {cfg.model.name}, engines, rewards"):
             pinned = saved_micro_batch(self.resume_dir) if self.resume_dir is not None else None
             self.parts = p = build_parts(cfg, self.dist, pinned_micro_batch=pinned)
@@ -94,6 +96,7 @@ class Trainer:
         self.outputs = RunOutputs(self.run_dir, tensorboard=cfg.run.tensorboard, write=self.dist.is_main,
                                   wandb=cfg.to_dict() if cfg.run.wandb else None, wandb_project=cfg.run.wandb_project)
         self.update, self.N, self.history, self._saved = 0, 0, [], -1  # _saved: update last checkpointed
+        self.trace_file = TraceFile(self.run_dir, write=self.dist.is_main)  # the device clock's step trace
         self._pending = None  # the checkpoint save still being written (run.async_checkpoint)
         self.telemetry = NvmlSampler.for_device(self.model.device)  # the GPU this rank uses, if any
         self.timer = PhaseTimer(self.model.device)  # t_gen / t_train; syncs only at phase ends
@@ -148,6 +151,7 @@ class Trainer:
                                              total=t.updates, min_ratio=t.min_lr_ratio))
         batch = train_batch(groups, t, self.task, self.tok).to(self.model.device)
         critic_only = self.learner.critic is not None and self.update < t.critic_warmup
+        self.learner.steps.clear()
         with self.timer.phase("train"):
             m = self.learner.step(batch, critic_only=critic_only, phases=self.telemetry)
         advantages = advantage_sums(batch.advantages, batch.loss_mask > 0)  # PPO whitened them in the step
@@ -159,6 +163,8 @@ class Trainer:
         self.N += 0 if critic_only else r.b_train
         self.update += 1
         boundary = boundary_since(llm, mark, responses=r.b_train, times=times)
+        self.trace_file.write(update_trace(llm.trace[mark[0]:], self.learner.steps, update=self.update, n=self.N,
+                                           t_gen=times.t_gen, t_train=times.t_train, critic_only=critic_only))
         consumed = llm.weight_version - (0 if m["skipped"] or critic_only else 1)
         if self.cfg.run.samples_every and self.update % self.cfg.run.samples_every == 0:
             write_samples(self.outputs, groups, batch, self.tok, update=self.update, n=self.N, dist=dist)
@@ -230,7 +236,7 @@ class Trainer:
             testing = time.perf_counter() - t0
         if cfg.run.checkpoint_every and self.update % cfg.run.checkpoint_every == 0:
             t0 = time.perf_counter()
-            self.checkpoint()
+            self.checkpoint(record=dict(record))  # the record rides in the checkpoint until its line is written
             save = time.perf_counter() - t0
         wall = StepWall(testing=testing, save_checkpoint=save, step=time.perf_counter() - start)
         record.update(timing_fields(record, wall, b_train=cfg.train.b_train, world=self.dist.world,
@@ -241,14 +247,14 @@ class Trainer:
         self.history.append(record)
         self.outputs.log(record)
 
-    def checkpoint(self) -> Path | None:
+    def checkpoint(self, record: dict | None = None) -> Path | None:
         """Save this update (run.async_checkpoint: start saving it; returns None); the save before it
-        is finished first."""
+        is finished first. record: this update's metrics record, not yet in metrics.jsonl."""
         self.wait_for_checkpoint()
         self._saved, asynchronous = self.update, self.cfg.run.async_checkpoint
         saved = save_run(self.run_dir, update=self.update, n=self.N, model=self.model, learner=self.learner,
                          llm=self.llm, collector=self.collector, sampler=self.sampler, dist=self.dist,
-                         keep=self.cfg.run.keep_checkpoints, asynchronous=asynchronous)
+                         keep=self.cfg.run.keep_checkpoints, asynchronous=asynchronous, record=record)
         if asynchronous:
             self._pending = saved
             return None
