@@ -28,7 +28,6 @@ from rlengine.analysis.memory_plan import GiB, MemoryPlan, plan_memory, sampler_
 from rlengine.model.config import ModelConfig
 from rlengine.model.factory import model_config as factory_model_config
 from rlengine.model.factory import tokenizer_for
-from rlengine.rl.algo.registry import algorithm
 from rlengine.rl.data.tasks import build_task
 
 CPU_PROCESS_BYTES = 3 * GiB // 2      # interpreter, torch, the extensions, allocator slack (1-1.5 GB measured)
@@ -110,7 +109,7 @@ def plan_for_config(tc, *, device_bytes: int, max_model_len: int, eval_seqs: int
     act = activation_parts(cfg, micro * max_model_len, tc.model.dtype, checkpointing=t.activation_checkpointing,
                            head=head, mode=mode)
     activations = act.total if activations is None else activations
-    critic = algorithm(t.algo).critic
+    critic = t.algorithm.critic
     if critic:  # the critic trunk's saved tensors (<= the actor's) live through the actor's backward
         activations += act.saved
     if reserve is None:

@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from rlengine.engine.spec import EngineSpec
-from rlengine.rl.algo.registry import Algorithm, algorithm
+from rlengine.rl.algo.registry import Algorithm
 from rlengine.rl.config import TrainConfig, TrainSection
 
 
@@ -63,7 +63,8 @@ class LearnerSpec:
 
     @property
     def algorithm(self) -> Algorithm:
-        return algorithm(self.algo)
+        """train.algo with train.adv_estimator / train.policy_loss in place of its parts (registry.combination)."""
+        return self.options.algorithm
 
     @staticmethod
     def from_options(options: TrainSection, *, temperature: float = 1.0, replay_routing: bool = False,
@@ -96,7 +97,7 @@ def resolve_rollout(cfg: TrainConfig) -> RolloutSpec:
     t, g = cfg.train, cfg.gen
     return RolloutSpec(group_size=t.group_size, prompts_per_step=t.prompts_per_step, b_train=t.b_train,
                        b_gen=cfg.b_gen, max_lag=g.max_lag, max_tokens=g.max_tokens,
-                       dynamic_sampling=t.dynamic_sampling and algorithm(t.algo).group_relative,
+                       dynamic_sampling=t.dynamic_sampling and t.algorithm.group_relative,
                        token_credit=t.credit == "token", overlong=t.overlong, overlong_buffer=cfg.overlong_buffer)
 
 

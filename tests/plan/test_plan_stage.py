@@ -141,3 +141,16 @@ def test_the_tuner_describes_candidates_as_plan_changes():
     assert all(isinstance(p.change, PlanChange) for p in plans)
     assert [p.change.b_train for p in plans] == [64, 128, 256] and all(p.change.b_gen == p.change.b_train
                                                                        for p in plans)
+
+
+@pytest.mark.parametrize("extra, want", [([], "ref"),                                   # auto on a CPU: the torch loop
+                                         (["--gen.batch_invariant", "true"], "invariant"),
+                                         (["--model.moe_impl", "triton"], "triton")])
+def test_moe_jobs_default_to_auto_and_the_plan_says_what_it_resolved_to(tmp_path, extra, want):
+    from rlengine.rl.distributed import Dist
+    from rlengine.rl.trainer.parts import build_model_and_tokenizer
+
+    cfg = short_run_config(tmp_path, "moe", ["--model.name", "tiny-moe", *extra])
+    assert cfg.model.moe_impl == ("triton" if "triton" in extra else "auto")
+    model, _, resolved = build_model_and_tokenizer(cfg, Dist())
+    assert resolved == want and model.moe_impl == ("triton" if want == "triton" else "ref")

@@ -18,9 +18,8 @@ import torch
 
 from rlengine.model.config import ConfigError
 from rlengine.engine import LLM, SamplingParams
-from rlengine.model.factory import build_model, default_device, tokenizer_for
+from rlengine.model.factory import build_model, default_device, resolve_moe_impl, tokenizer_for
 from rlengine.model.hub import resolve_model
-from rlengine.model.moe import triton_available
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.config import TrainConfig
@@ -66,9 +65,10 @@ def build_model_and_tokenizer(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCau
     device = cfg.model.device if cfg.model.device != "auto" else str(default_device())
     if device == "cuda" and dist.enabled:
         device = f"cuda:{dist.local_rank}"  # one device per rank
-    moe_impl = cfg.model.moe_impl
-    if moe_impl == "auto":  # the Triton kernels where they can run, else the torch loop
-        moe_impl = "triton" if device.startswith("cuda") and triton_available() else "ref"
+    # auto: the fused Triton kernels where they run (a GPU; decode graphs stay on), else the torch loop;
+    # batch-invariant mode routes every MoE block through its invariant path (model/batch_invariant_moe.py)
+    invariant = cfg.gen.batch_invariant and cfg.model.moe_impl == "auto"
+    moe_impl = "ref" if invariant else resolve_moe_impl(cfg.model.moe_impl, device)
     name = resolve_model(cfg.model.name, revision=cfg.model.revision, what="model.name")  # a hub id: its snapshot
     model = build_model(name, dtype=cfg.model.dtype, device=device, moe_impl=moe_impl, seed=cfg.run.seed)
     tok = tokenizer_for(name, tokenizer=cfg.model.tokenizer or None)
@@ -81,7 +81,7 @@ def build_model_and_tokenizer(cfg: TrainConfig, dist: Dist) -> tuple[Qwen3ForCau
         model.config.eos_token_id = eos[0] if len(eos) == 1 else eos
     else:  # a preset: the built-in tokenizer's <eos> is the only end
         model.config.eos_token_id = tok.eos_token_id
-    return model, tok, moe_impl
+    return model, tok, "invariant" if invariant else moe_impl
 
 
 def build_engines(cfg: TrainConfig, model: Qwen3ForCausalLM, task: Task, encode, eval_sets, dist: Dist, *,
