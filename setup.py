@@ -123,5 +123,5 @@ def _extensions():
 
 
 ext_modules, cmdclass = _extensions()
-setup(packages=packages, package_dir=package_dir, package_data={"rlengine": ["configs/*.toml", "configs/data/*.jsonl"]},
+setup(packages=packages, package_dir=package_dir, package_data={"rlengine": ["configs/*.toml", "configs/data/*.jsonl", "configs/data/*.jinja"]},
       ext_modules=ext_modules, cmdclass=cmdclass)

@@ -193,3 +193,11 @@ def final_answer_format(completion: str, answer: str = "", prompt: str = "", ext
     "#### N" (N a number, commas allowed), else 0.0. Correctness is not checked: use it beside
     (or instead of, early on) "math" to reward the format the answer is parsed from."""
     return float(bool(_BOXED.search(completion) or _HASHES.search(completion)))
+
+
+@register_reward("letter-share")
+def letter_share(completion: str, answer: str = "", prompt: str = "", extra: dict | None = None) -> float:
+    """The share of ASCII letters among the completion's non-space characters (0.0 when it has none): a
+    reward that differs between random responses, for jobs that exercise the machinery, not learning."""
+    chars = [c for c in completion if not c.isspace()]
+    return sum(c.isascii() and c.isalpha() for c in chars) / len(chars) if chars else 0.0
