@@ -124,7 +124,7 @@ def test_everything_runs_without_the_extension():
     code = (
         "import sys; sys.modules['rlengine._C'] = None\n"
         "import torch\n"
-        "from rlengine import LLM, SamplingParams, _ext\n"
+        "from rlengine import LLM, SamplingParams\nfrom rlengine.model import ext as _ext\n"
         "assert not _ext.AVAILABLE and not _ext.has_op('rms_norm')\n"
         "llm = LLM('tiny-moe', max_num_seqs=2)\n"
         "assert llm.attention_backend == 'torch'\n"

@@ -116,7 +116,8 @@ def test_run_name_labels_the_run_and_names_its_default_directory(tmp_path):
     from rlengine.model.config import ConfigError
     from rlengine.rl.config import load_job_config
 
-    assert load_job_config(None, ["--run.name", "plotdemo"]).run.out_dir == "runs/plotdemo"
+    named = load_job_config(None, ["--run.name", "plotdemo"])
+    assert named.run_dir == "runs/plotdemo" and named.run.out_dir == "runs/default"  # as written; resolved by run_dir
     cfg = load_job_config(None, ["--run.name", "a", "--run.out_dir", str(tmp_path / "elsewhere")])
     assert cfg.run.out_dir == str(tmp_path / "elsewhere")  # a named out_dir wins
     with pytest.raises(ConfigError, match="run.name"):

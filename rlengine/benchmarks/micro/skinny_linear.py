@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 import rlengine.model.qwen3 as qwen3
 from rlengine.model import ops
-from rlengine import LLM, SamplingParams, _ext
+from rlengine import LLM, SamplingParams
+from rlengine.model import ext as _ext
 from rlengine.model.config import preset
 
 from rlengine.benchmarks.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report,
