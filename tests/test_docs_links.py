@@ -53,3 +53,18 @@ def test_the_method_is_cited_from_inside_the_repository():
     for heading in ("## Symbols", "## The decision rule", "## The cost model", "## Eq. 5", "## B_KV",
                     "## Algorithm 1", "## Table 1"):
         assert heading in method, heading
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_results_is_a_reference_under_600_lines_and_every_cited_section_exists():
+    results = (ROOT / "docs" / "RESULTS.md").read_text()
+    assert len(results.splitlines()) < 600
+    anchors = {_anchor(h) for h in re.findall(r"^#+ (.+)$", results, re.MULTILINE)}
+    cited = [a for f in _markdown_files() for a in re.findall(r"RESULTS\.md#([\w\-]+)", f.read_text())]
+    cited += re.findall(r"\]\(#([\w\-]+)\)", results)
+    assert cited and sorted(set(cited) - anchors) == []
+    assert _anchor("Knee prediction with measured step costs") == "knee-prediction-with-measured-step-costs"
