@@ -94,6 +94,33 @@ CASES = [
     ("generate-n-zero", ["generate", "--prompt", "hi", "--n", "0"], "--n", None),
     ("generate-model-is-a-file", ["generate", "--model", "{file}", "--prompt", "hi"], "a_file", None),
     ("bench-decode-reps-negative", ["bench", "decode", "--device", "cpu", "--reps", "-1"], "--reps", None),
+    ("bench-costs-one-step", ["bench", "costs", "--steps", "1"], "--steps", None),
+    ("bench-costs-modelled-without-card", ["bench", "costs", "--modelled"], "--modelled needs --device", None),
+    ("bench-costs-unknown-model", ["bench", "costs", "--model", "nope"], "nope", None),
+    # job settings, each named with its allowed values
+    ("grpo-group-of-one", ["train", "--train.group_size", "1"], "train.group_size", None),
+    ("unknown-algo", ["train", "--train.algo", "dpo"], "train.algo", None),
+    ("unknown-estimator", ["train", "--train.adv_estimator", "nope"], "train.adv_estimator", None),
+    ("unknown-policy-loss", ["train", "--train.policy_loss", "nope"], "train.policy_loss", None),
+    ("ppo-option-on-grpo", ["train", "--train.critic_warmup", "3"], "train.critic_warmup", None),
+    ("temperature-zero", ["train", "--gen.temperature", "0"], "gen.temperature", None),
+    ("top-p-above-one", ["train", "--gen.top_p", "1.5"], "gen.top_p", None),
+    ("negative-lr", ["train", "--train.lr", "-1"], "train.lr", None),
+    ("b-gen-below-b-train", ["train", "--gen.b_gen", "8"], "gen.b_gen", None),
+    ("unknown-dtype", ["train", "--model.dtype", "int8"], "model.dtype", None),
+    ("unknown-model", ["train", "--model.name", "no-such-model"], "no-such-model", None),
+    ("unknown-task", ["train", "--task.name", "no-such-task"], "no-such-task", None),
+    ("reward-plugin-that-does-not-import", ["train", "--task.reward", "no_such_module_xyz:fn"], "no_such_module_xyz",
+     None),
+    ("unknown-key", ["train", "--train.no_such_key", "3"], "train.no_such_key", None),
+    ("negative-micro-batch", ["train", "--train.micro_batch", "-1"], "train.micro_batch", None),
+    ("eval-k-zero", ["train", "--eval.k", "0"], "eval.k", None),
+    ("unknown-lr-rule", ["train", "--train.lr_rule", "cube"], "train.lr_rule", None),
+    ("zero-ppo-epochs", ["train", "--train.ppo_epochs", "0"], "train.ppo_epochs", None),
+    ("run-name-with-a-slash", ["train", "--run.name", "a/b"], "run.name", None),
+    ("int-field-given-text", ["train", "--train.updates", "many"], "train.updates", None),
+    ("generate-negative-temperature", ["generate", "--prompt", "hi", "--temperature", "-1"], "temperature", None),
+    ("info-plan-missing-file", ["info", "--plan", "{missing}"], "missing", None),
 ]
 
 
@@ -144,7 +171,7 @@ def _snapshot(root: Path) -> dict[str, bytes | None]:
 
 
 def test_tour_is_large_enough():
-    assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
+    assert len(CASES) + len(API_CASES) >= 60 and len({c[0] for c in CASES}) == len(CASES)
 
 
 @pytest.mark.parametrize("argv,named,not_named", [pytest.param(a, n, x, id=i) for i, a, n, x in CASES])
