@@ -21,23 +21,14 @@ import threading
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class StopOnSignal:
-    """Context manager: `.requested` is the first stop signal's number (0 while none came)."""
-
-    def __init__(self, announce: bool = True):
-        self.requested = 0
-        self.announce = announce
-        self._previous: dict[int, object] = {}
+class _SignalScope:
+    """Context manager: self._handle takes SIGINT / SIGTERM inside (main thread only), the previous handlers after."""
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise SystemExit(128 + signum)
-        self.requested = signum
-        if self.announce:
-            print(f"{signal.Signals(signum).name}: stopping after this update and saving a checkpoint "
-                  "(signal again to exit now)", file=sys.stderr, flush=True)
+        raise NotImplementedError
 
-    def __enter__(self) -> "StopOnSignal":
+    def __enter__(self):
+        self._previous = {}
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
@@ -47,6 +38,22 @@ class StopOnSignal:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+
+
+class StopOnSignal(_SignalScope):
+    """Context manager: `.requested` is the first stop signal's number (0 while none came)."""
+
+    def __init__(self, announce: bool = True):
+        self.requested = 0
+        self.announce = announce
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise SystemExit(128 + signum)
+        self.requested = signum
+        if self.announce:
+            print(f"{signal.Signals(signum).name}: stopping after this update and saving a checkpoint "
+                  "(signal again to exit now)", file=sys.stderr, flush=True)
 
 
 class StartInterrupted(BaseException):
@@ -57,23 +64,8 @@ class StartInterrupted(BaseException):
         self.signum = signum
 
 
-class InterruptStart:
+class InterruptStart(_SignalScope):
     """Context manager: the first SIGINT / SIGTERM raises StartInterrupted where the main thread is."""
 
-    def __init__(self):
-        self._previous: dict[int, object] = {}
-
-    @staticmethod
-    def _handle(signum, frame) -> None:
+    def _handle(self, signum, frame) -> None:
         raise StartInterrupted(signum)
-
-    def __enter__(self) -> "InterruptStart":
-        if threading.current_thread() is threading.main_thread():
-            for s in SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous.clear()
