@@ -42,7 +42,7 @@ def cmd_info(args) -> int:
             print(f"  train.micro_batch = 0: micro-batches of {plan.micro_batch} sequences (of "
                   f"{sequences_per_rank(cfg)}), the largest the plan fits")
         micro = cfg.train.micro_batch or (plan.micro_batch if plan.micro_batch < sequences_per_rank(cfg) else 0)
-        print(f"resolved specs (plan.json of a run on this device holds these with its engines'):")
+        print("resolved specs (plan.json of a run on this device holds these with its engines'):")
         for name, spec in (("rollout", resolve_rollout(cfg)), ("learner", resolve_learner(cfg, micro))):
             values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "options"}
             print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in values.items()))

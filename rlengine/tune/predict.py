@@ -129,16 +129,10 @@ def predict_knee(cfg: ModelConfig, ceilings: dict, *, context_len: int, dtype: s
 
 
 def job_model_config(job: dict) -> ModelConfig:
-    """The job's ModelConfig: a preset name, or a checkpoint directory's config.json."""
-    from rlengine.model.config import PRESETS, preset
+    """The job's ModelConfig: model.name as the job names it (preset, directory or hub id at model.revision)."""
+    from rlengine.model.factory import model_config
 
-    name = job["model"]["name"]
-    if name in PRESETS:
-        return preset(name)
-    path = Path(name) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"--predict: model {name!r} is neither a preset nor a directory with config.json")
-    return ModelConfig.from_hf_dict(json.loads(path.read_text()), str(path))
+    return model_config(job["model"]["name"], revision=job["model"].get("revision") or None)
 
 
 def format_prediction(p: KneePrediction, b_train: int) -> str:

@@ -8,7 +8,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from rlengine import LLM, SamplingParams
 from rlengine.engine.core import EngineCore

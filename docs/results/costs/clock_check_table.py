@@ -15,7 +15,6 @@ on the process-CPU clock at one torch thread, as the runs of clock_check_runs.py
 - optimizer: one AdamW step over the model's parameters. Median of 5.
 """
 
-import json
 import statistics
 import sys
 import time

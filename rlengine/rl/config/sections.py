@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from rlengine.model.config import ConfigError
-from rlengine.rl.algo.registry import ALGORITHMS, Algorithm, algorithm, combination
+from rlengine.rl.algo.registry import ALGORITHMS, Algorithm, combination
 from rlengine.rl.algo.schedule import LR_RULE_POWERS, lr_by_rule
 from rlengine.rl.config.update_options import AGGREGATIONS, UpdateOptions
 
