@@ -81,7 +81,7 @@ class LLM:
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, cpu_kernels: str = "cache", batch_invariant: bool = False,
                  shared_prefix_decode: bool | None = None, revision: str | None = None):
-        _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization)
+        _check_vllm_args(tensor_parallel_size, trust_remote_code)
         spec = EngineSpec(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,

@@ -47,16 +47,15 @@ def _resolve(model, revision: str | None):
     return resolve_model(str(model), revision=revision)
 
 
-def _check_vllm_args(tensor_parallel_size, trust_remote_code, gpu_memory_utilization) -> None:
-    """vLLM arguments: the values rlengine can honour, or one error that says why not."""
+def _check_vllm_args(tensor_parallel_size, trust_remote_code) -> None:
+    """vLLM arguments: the values rlengine can honour, or one error that says why not (gpu_memory_utilization's
+    range is EngineSpec's check)."""
     if tensor_parallel_size != 1:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size!r}: rlengine runs the model on one device "
                          "(the learner trains the same weights in place); only 1 is supported")
     if trust_remote_code:
         raise ValueError("trust_remote_code=True: rlengine runs its own Qwen3 / Qwen3-MoE code and never executes "
                          "code shipped with a checkpoint; only False is supported")
-    if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
 
 
 def _build_model(model, dtype, device, moe_impl) -> Qwen3ForCausalLM:
