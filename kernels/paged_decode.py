@@ -170,12 +170,14 @@ class DecodeWorkspace:
 
 
 def alloc_workspace(max_batch: int, num_heads: int, head_dim: int, num_splits: int,
-                    device: torch.device | str, *, num_kv_heads: int | None = None) -> DecodeWorkspace:
+                    device: torch.device | str, *, num_kv_heads: int | None = None,
+                    num_sms: int | None = None) -> DecodeWorkspace:
     """Partial buffers for calls of up to max_batch sequences with up to num_splits splits each.
 
     num_kv_heads=None: room for max_batch * num_splits (sequence, split) pairs, any pinned S.
     With num_kv_heads: only what choose_num_splits can pick for any B <= max_batch on this device
     (S shrinks as B grows), e.g. 256 rows instead of 16,384 for 256 sequences, Hkv=8, 132 SMs.
+    num_sms: the SM count choose_num_splits plans for (None: the device's).
     """
     if max_batch < 1 or num_heads < 1 or head_dim < 1 or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"alloc_workspace: need max_batch, num_heads, head_dim >= 1 and 1 <= num_splits <= "
@@ -186,7 +188,7 @@ def alloc_workspace(max_batch: int, num_heads: int, head_dim: int, num_splits: i
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"alloc_workspace: num_kv_heads must divide num_heads={num_heads}, got {num_kv_heads}")
         pages = 2**40  # no length cap: the most splits occupancy allows
-        rows = max(b * min(num_splits, choose_num_splits(b, num_kv_heads, pages, 1, device))
+        rows = max(b * min(num_splits, choose_num_splits(b, num_kv_heads, pages, 1, device, num_sms))
                    for b in range(1, max_batch + 1))
     return DecodeWorkspace(
         partial_out=torch.empty(rows * num_heads * head_dim, dtype=torch.float32, device=device),
@@ -203,16 +205,20 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_num_pages: int, page_size: int,
-                      device: torch.device | str) -> int:
+                      device: torch.device | str, num_sms: int | None = None) -> int:
     """Splits so that B*Hkv*S programs cover the SMs about twice, with >= MIN_TOKENS_PER_SPLIT tokens each.
 
-    Depends only on host ints, so a CUDA-graph bucket (fixed B, capacity max_num_pages) gets one value.
-    1 means no merge launch: the split kernel writes the output itself.
+    Depends only on host ints, so a CUDA-graph bucket (fixed B, and a page bound per context class,
+    engine/cuda_graph.py) gets one value. 1 means no merge launch: the split kernel writes the output
+    itself. num_sms: plan for this many SMs instead of the device's (the CPU launch counter simulates
+    an H100/H200's 132 under the interpreter).
     """
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    by_occupancy = triton.cdiv(2 * _num_sms(device), max(1, batch * num_kv_heads))
+    if num_sms is None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        num_sms = _num_sms(device)
+    by_occupancy = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
     by_length = max(1, max_num_pages * page_size // MIN_TOKENS_PER_SPLIT)
     return max(1, min(MAX_SPLITS, by_occupancy, by_length))
 

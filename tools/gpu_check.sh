@@ -12,6 +12,12 @@
 #                                       the job's q over B_gen with the policy frozen (40 s), the asymmetry at the
 #                                       Qwen3-0.6B shape (40 s) and the cost tables of tiny and Qwen3-0.6B (40 s):
 #                                       <= 420 s in one device call
+#   tools/gpu_check.sh profile [COMMIT] the build if the machine has none (<= 180 s), then the decode step
+#                                       profiled (rlengine/benchmarks/decode_gpu_profile.py): per-kernel
+#                                       table at B_act 1 and 64 with GPU busy vs wall and the graph-replay
+#                                       trace check (90 s), CUDA-event times of replay, head, sampler and
+#                                       step with async on and off (120 s), paged decode at B 1 and a 32K
+#                                       context over splits and BLOCK_N (40 s): <= 430 s in one device call
 #   tools/gpu_check.sh bench [COMMIT]   the build if the machine has none, then ceilings, decode sweep
 #                                       (Qwen3-0.6B shape, CUDA graphs, NVML), paged decode at long contexts,
 #                                       fused MoE fwd+bwd vs torch._grouped_mm, fused log-prob time and memory,
@@ -29,7 +35,7 @@
 set -uo pipefail  # no -e: every part's exit status is checked where it runs
 cd "$(dirname "$0")/.."
 STEP=${1:-}
-case "$STEP" in test|bench|rl) ;; *) echo "usage: $0 test|bench|rl [COMMIT]"; exit 2;; esac
+case "$STEP" in test|bench|rl|profile) ;; *) echo "usage: $0 test|bench|rl|profile [COMMIT]"; exit 2;; esac
 COMMIT=${2:-${RLENGINE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}}
 OUT=${OUT:-bench/results/gpu}
 DRY=${GPU_CHECK_DRY:-0}; [ "$DRY" = "" ] && DRY=0
@@ -122,6 +128,19 @@ run_bench_step() {
   part logprob 20 bench logprob python3 bench/bench_logprob.py "${ceil[@]}" --out "$WORK" || STATUS=1
 }
 
+run_profile_step() {
+  [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
+    --format=csv | tee "$WORK/gpu.txt"
+  has_build || build_or_stop 180
+  [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin profile "$WORK"
+  local part_name limit
+  for part_name in kernels:90 events:120 paged:40; do
+    limit=${part_name#*:}; part_name=${part_name%%:*}
+    part "profile_$part_name" "$limit" bench "profile_$part_name" \
+      python3 -m rlengine.benchmarks.decode_gpu_profile "$part_name" --out "$WORK" || STATUS=1
+  done
+}
+
 grpo_long() {  # the long-response job until SIGINT stops it at an update boundary (exit 130: a clean stop)
   python3 -m rlengine.cli train --config grpo_long --run.seed 0 --run.progress false --run.out_dir "$WORK/grpo_long"
   local rc=$?; [ "$rc" -eq 130 ] && return 0; return "$rc"
@@ -153,4 +172,4 @@ run_rl_step() {
 
 export DRY WORK STEP
 export -f build shard bench grpo_long costs
-case "$STEP" in test) run_test_step;; bench) run_bench_step;; rl) run_rl_step;; esac
+case "$STEP" in test) run_test_step;; bench) run_bench_step;; rl) run_rl_step;; profile) run_profile_step;; esac

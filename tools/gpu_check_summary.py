@@ -6,7 +6,7 @@
         and OUT/gpu_check_STEP.tar.gz (all of WORK), then prints the summary: its last lines.
     python3 tools/gpu_check_summary.py part STEP WORK NAME RC SECONDS LIMIT
         writes one part's exit status to WORK/part_NAME.json.
-    python3 tools/gpu_check_summary.py standin STEP WORK [build-fails]
+    python3 tools/gpu_check_summary.py standin STEP WORK [build-fails]   (STEP: test | bench | rl | profile)
         writes stand-in results (GPU_CHECK_DRY=1): the packing and the summary run on a CPU.
 
 A device call returns at most 8 files, no deeper than 2 folders, and the last 12,000 characters of
@@ -176,6 +176,41 @@ def _rl_lines(work: str, goals: dict) -> list[str]:
     return lines
 
 
+def _profile_lines(work: str, goals: dict) -> list[str]:
+    """The profile step: per-kernel tables, GPU busy vs wall, event times, paged decode over splits and BLOCK_N."""
+    lines = []
+    kern = _load(work, "profile_kernels.json")
+    for r in (kern or {}).get("rows", []):
+        b = r["b_act"]
+        goals[f"profile_kernels_B{b}"] = r["kernels"][:25]
+        goals[f"profile_busy_B{b}"] = {k: r[k] for k in ("launches_per_step", "busy_us_per_step", "wall_us_per_step")}
+        gap = 1 - r["busy_us_per_step"] / r["wall_us_per_step"] if r["wall_us_per_step"] else float("nan")
+        lines.append(f"profile B_act {b}: {r['launches_per_step']:.0f} kernels/step, GPU busy {r['busy_us_per_step']:.0f}"
+                     f" us of {r['wall_us_per_step']:.0f} us wall (host gap {gap:.0%}); graph replays "
+                     f"{r['graph_replays']}, their kernels in the trace: {'yes' if r['graph_kernels_in_trace'] else 'NO'}")
+        lines.append(f"profile B_act {b} top kernels: " + "; ".join(
+            f"{k['name'][:40]} x{k['count']:.0f} {k['us']:.1f} us" for k in r["kernels"][:6]))
+    ev = _load(work, "profile_events.json")
+    for r in (ev or {}).get("rows", []):
+        goals[f"profile_events_B{r['b_act']}_{'async' if r['async_scheduling'] else 'sync'}"] = r
+        lines.append(f"events B_act {r['b_act']} async {'on' if r['async_scheduling'] else 'off'}: step "
+                     f"{r['step_ms']:.3f} ms, graph replay {r.get('graph_replay_ms', float('nan')):.3f} ms, head "
+                     f"{r['head_ms']:.3f} ms, sampler greedy {r['sampler_greedy_ms']:.3f} / top-p "
+                     f"{r['sampler_top_p_ms']:.3f} ms")
+    paged = _load(work, "profile_paged.json")
+    if paged and paged.get("rows"):
+        rows = paged["rows"]
+        goals["profile_paged"] = rows
+        best = max(rows, key=lambda r: r["GB/s"])
+        lines.append(f"paged decode B 1 ctx {best['ctx']}: best {best['GB/s']:.0f} GB/s at {best['splits']} splits, "
+                     f"BLOCK_N {best['BLOCK_N']}; by splits at BLOCK_N 32: " + ", ".join(
+                         f"{r['splits']}: {r['GB/s']:.0f}" for r in rows if r["BLOCK_N"] == 32))
+    missing = [n for n, d in (("profile_kernels", kern), ("profile_events", ev), ("profile_paged", paged)) if not d]
+    if missing:
+        lines.append(f"no result from: {', '.join(missing)} (not run, timed out or failed: see its log)")
+    return lines
+
+
 def _stamp(work: str, commit: str) -> None:
     """The tree on the GPU machine may have no .git: stamp the commit into every result JSON."""
     for path in glob.glob(os.path.join(work, "*.json")):
@@ -196,7 +231,7 @@ def finish(step: str, work: str, out: str, commit: str, status: int) -> int:
              f"{p['seconds']} s of {p['limit']} s" for p in parts]
     if any(p["name"] == "build" and p["rc"] != 0 for p in parts):
         lines.append("BUILD FAILED: the step stopped before its tests and benchmarks (build.log in the archive)")
-    lines += {"test": _test_lines, "bench": _bench_lines, "rl": _rl_lines}[step](work, goals)
+    lines += {"test": _test_lines, "bench": _bench_lines, "rl": _rl_lines, "profile": _profile_lines}[step](work, goals)
     shards = {"test": TEST_SHARDS, "rl": RL_SHARDS}.get(step, ())
     failed = any(goals.get(s, {}).get("failed") for s in shards)
     timed_ok = {"grpo_long"}  # stopped by the timeout's SIGINT on purpose
@@ -241,6 +276,9 @@ def standin(step: str, work: str) -> None:
     if step == "rl":
         _standin_rl(work)
         return
+    if step == "profile":
+        _standin_profile(work)
+        return
     if step == "test":
         for shard in TEST_SHARDS:
             open(os.path.join(work, f"junit_{shard}.xml"), "w").write(_junit(shard, shard == "others"))
@@ -281,6 +319,23 @@ def _standin_rl(work: str) -> None:
     json.dump({"format": "rlengine.cost_table/1", "model": "tiny", "dtype": "float32", "kind": "measured",
                "decode": [[1, 32, 0.001], [64, 32, 0.0012]], "prefill": [[64, 0.002]], "learner": [[1024, 0.01]],
                "optimizer_s": 0.001, "provenance": cond["conditions"]}, open(os.path.join(work, "costs-tiny-float32.json"), "w"))
+
+
+def _standin_profile(work: str) -> None:
+    cond = {"conditions": {"device": "stand-in (GPU_CHECK_DRY=1)"}}
+    kernels = [{"name": "_split_kernel", "count": 28.0, "us": 90.0}, {"name": "gemv_bf16", "count": 113.0, "us": 700.0}]
+    files = {
+        "profile_kernels": [{"b_act": b, "kernels": kernels, "launches_per_step": 141.0, "kernel_us_per_step": 790.0,
+                             "busy_us_per_step": 800.0, "wall_us_per_step": 1000.0, "graph_replays": 5,
+                             "graph_kernels_in_trace": True} for b in (1, 64)],
+        "profile_events": [{"b_act": b, "async_scheduling": a, "step_ms": 1.2, "graph_replay_ms": 1.0, "head_ms": 0.1,
+                            "sampler_greedy_ms": 0.02, "sampler_top_p_ms": 0.08} for b in (1, 64) for a in (True, False)],
+        "profile_paged": [{"B": 1, "ctx": 32768, "splits": s, "BLOCK_N": n, "ms": 0.05, "GB/s": 100.0 * s}
+                          for n in (16, 32, 64) for s in (1, 33)],
+    }
+    for name, rows in files.items():
+        json.dump({"name": name, "rows": rows, **cond}, open(os.path.join(work, f"{name}.json"), "w"))
+        open(os.path.join(work, f"{name}.log"), "w").write("stand-in log\n")
 
 
 def main(argv: list[str]) -> int:

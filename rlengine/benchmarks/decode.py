@@ -26,6 +26,7 @@ rlengine's LLM and by transformers' generate() on the SAME weights. Method:
   - Peak memory: torch's peak allocation during rlengine's generate calls (GPU; everything
     resident counts: both models' weights and the KV pool). Energy: decode-phase joules per
     generated token from the NVML sampler, where NVML and a GPU are available.
+  - Async scheduling (overlap) is on on a GPU, as in LLM there; --no-async turns it off.
   - CUDA graphs: on a GPU decode steps replay captured graphs; --enforce-eager turns them off,
     --compare-eager times an eager twin (eager_ms_per_step, graph_speedup).
   - Roofline (docs/METHOD.md Eq. 5): ceilings measured here (or --ceilings), bound at the mean
@@ -91,7 +92,8 @@ def _engine(args, ours, device: torch.device, enforce_eager: bool, share: float)
     else:
         blocks = min(blocks, int(args.kv_memory_gb * 2**30 * share / 0.6) // per_block)
     return LLM(ours, max_num_seqs=max(args.batches), max_model_len=args.max_model_len, attention_backend=args.backend,
-               num_kv_blocks=blocks, block_size=16, enforce_eager=enforce_eager)
+               num_kv_blocks=blocks, block_size=16, enforce_eager=enforce_eager,
+               async_scheduling=False if args.no_async else None)
 
 
 def _measure(args, llm: LLM, hf: list[HFProvider], prompts, eager: LLM | None, telemetry) -> dict:
@@ -256,7 +258,8 @@ def run(args) -> tuple[list[dict], dict]:
     modes = {"eager": ["eager"], "static": ["static"], "both": ["eager", "static"], "none": []}[args.hf]
     hf = [HFProvider(hf_model, m, compile_backend=args.hf_compile_backend) for m in modes]
     print(f"attention backend: {llm.attention_backend}; CUDA graphs: "
-          f"{'on' if llm.cuda_graphs_off is None else 'off (' + llm.cuda_graphs_off + ')'}")
+          f"{'on' if llm.cuda_graphs_off is None else 'off (' + llm.cuda_graphs_off + ')'}; "
+          f"async scheduling: {'on' if llm.async_scheduling else 'off'}")
     index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
     telemetry = NvmlSampler(cuda_devices=[index]) if device.type == "cuda" else None
     if telemetry is None or not telemetry.available:
@@ -295,6 +298,7 @@ def run(args) -> tuple[list[dict], dict]:
     conditions = {"model": args.model, "dtype": args.dtype, "requested_backend": args.backend, "timing": args.timing,
                   "contexts": contexts, "length_dist": args.length_dist, "gen_len": args.gen_len, "reps": args.reps,
                   "prefill_len": args.prefill_len, "prefill_batch": args.prefill_batch,
+                  "async_scheduling": llm.async_scheduling,
                   "hf_providers": {p.mode: p.label for p in hf}, "kv_blocks": llm.block_manager.num_blocks,
                   "energy": "NVML decode phase" if telemetry is not None and telemetry.available else
                             (telemetry.reason if telemetry else "unavailable: CPU run"),
@@ -355,6 +359,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="file name without .json; replaces an existing file of that name (default: decode, or "
                         "decode-2, decode-3, ... so that no earlier result is overwritten)")
     p.add_argument("--no-plot", action="store_true", help="write no figure ({name}.png beside the JSON)")
+    p.add_argument("--no-async", action="store_true",
+                   help="GPU: run steps synchronously (default: async scheduling, the host's step t+1 overlapping "
+                        "the device's step t; off on a CPU either way)")
+    p.add_argument("--count-launches", action="store_true",
+                   help="count the launches of one decode step by kind at --batches (default 1,64) instead "
+                        "(CPU: Triton interpreter, max_model_len 40960; decode_launches.py)")
+    p.add_argument("--sms", type=int, default=132, help="--count-launches: SM count the KV splits are planned for")
     return p
 
 
@@ -389,6 +400,14 @@ def _report(args, rows: list[dict], info: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
+    if args.count_launches:
+        from rlengine.benchmarks import decode_launches
+
+        if args.batches == p.get_default("batches"):
+            args.batches = [1, 64]
+        check_args(args, positive=("sms",))
+        args.max_model_len = 40960
+        return decode_launches.main(args)
     if args.gen_len < 2 or args.prompt_len < 1:
         p.error("--gen-len must be >= 2 and --prompt-len >= 1")
     if args.prefill_len < 0:

@@ -10,6 +10,8 @@ one int32 buffer whose copy to the host is queued behind them. read() waits for 
 step's ONE device-to-host read (a logprobs request's top-k and ranks come packed in a second buffer
 copied before the same event; a prefill with prompt_logprobs reads those after it); nothing else in a decode step reads the device
 (tests/engine/test_host_reads.py counts it, tests/gpu/test_engine_sync_and_backends_gpu.py runs under sync-debug mode).
+A graph decode step without rules or top-logprobs runs head, sampler and packing inside the graph
+(cuda_graph.py): around the replay the host issues only the staging upload and the output copy.
 run() = read(launch()). With overlap (LLM(async_scheduling=True)) the LLM launches step t+1 before
 reading step t: inputs whose token step t is still sampling are gathered on the device from step
 t's token tensor, and the output buffers alternate so step t+1 cannot overwrite step t's.
@@ -61,6 +63,7 @@ class LaunchedStep:
     event: torch.cuda.Event | None        # recorded after the output copy (GPU)
     launched_at: float                    # perf_counter() at launch
     top_k: int | None = None              # logprobs: k of the records packed in the slot's top buffer, or None
+    lp_at: int | None = None              # word offset of the log-probs in the slot (None: N; a graph's: bs)
     prompt: dict | None = None            # prompt_logprobs: batch.seqs index -> 4 tensors (StepOutput.prompt)
 
 
@@ -108,10 +111,21 @@ class ModelRunner:
         """
         B = len(batch.seqs)
         bs = self.graphs.bucket(B) if batch.kind == "decode" and self.graphs is not None else None
+        prev_step = None if prev is None else prev.step_id
         with self.ranges("engine.prepare"):
+            prep = self.inputs.prepare(batch, pad_to=bs, prev_step=prev_step)
+            rules = self.rules.for_step(batch.samples, prep.sample_rows, batch.kind == "prefill")
+            ks = [s.params.logprobs for s in batch.samples if s.params.logprobs is not None] \
+                if self.top_logprobs_on else ()
+            key = None
             if bs is not None:
-                self.graphs.capture(bs)  # first use of the bucket: before prepare (capture rewrites the buffers)
-            prep = self.inputs.prepare(batch, pad_to=bs, prev_step=None if prev is None else prev.step_id)
+                sb = prep.sb
+                in_graph = rules is None and not ks  # head + sampler inside the graph
+                key = self.graphs.key(bs, prep.fb.max_num_pages,
+                                      (sb.kinds_any, sb.kinds_all, sb.max_top_k) if in_graph else None)
+                if not self.graphs.has(bs, key):  # first use: capture rewrites the buffers, so prepare again
+                    self.graphs.capture(bs, key, self.sampler)
+                    prep = self.inputs.prepare(batch, pad_to=bs, prev_step=prev_step)
             fb = prep.fb
             if prep.prev_index is not None:  # tokens step `prev` is sampling: gathered on the device
                 pi = prep.prev_index
@@ -124,9 +138,13 @@ class ModelRunner:
         prompt = None
         with self.ranges("engine.forward"):
             if bs is not None:
-                hidden_TC, ids_TLK = self.graphs.replay(bs, fb)
-                hidden_TC = hidden_TC[:B]
-                ids_TLK = None if ids_TLK is None else ids_TLK[:B]
+                out = self.graphs.replay(bs, fb, key)
+                ids_TLK = None if out.ids is None else out.ids[:B]
+                if out.packed is not None:  # head and sampler ran inside the graph
+                    step = self._queue_graph_outputs(batch, prep, out, bs, ids_TLK)
+                    self.inputs.launched(prep, step.step_id if self.inputs.overlap else None)
+                    return step
+                hidden_TC = out.hidden[:B]
             else:
                 engine_routing(self.moe_blocks, self.record_routing)
                 hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend, fast=True)
@@ -138,9 +156,6 @@ class ModelRunner:
         with self.ranges("engine.sample"):
             if prep.sb.logits_rows is not None:  # prefill: every member of a group samples its leader's row
                 logits_NV = logits_NV[prep.sb.logits_rows]
-            rules = self.rules.for_step(batch.samples, prep.sample_rows, batch.kind == "prefill")
-            ks = [s.params.logprobs for s in batch.samples if s.params.logprobs is not None] \
-                if self.top_logprobs_on else ()
             top = None
             if ks:
                 tokens_N, logprobs_N, *top = self.sampler.sample_with_top(logits_NV, prep.sb, max(ks), rules)
@@ -181,6 +196,25 @@ class ModelRunner:
         self._launches += 1
         return LaunchedStep(self._launches, batch, prep, tokens_N, slot, n,
                             None if ids_TLK is None else tuple(ids_TLK.shape), event, time.perf_counter(), top_k=k)
+
+    def _queue_graph_outputs(self, batch, prep, out, bs: int, ids_TLK: torch.Tensor | None) -> LaunchedStep:
+        """A graph that sampled: its packed tokens | log-prob bits [2 * bs] go to the slot as they are (one
+        copy: to pinned memory on a GPU); with routing ids, through _queue_outputs."""
+        N = prep.sb.num_samples
+        if ids_TLK is not None:
+            return self._queue_outputs(batch, prep, out.tokens[:N], out.packed[bs:bs + N].view(torch.float32), ids_TLK)
+        slot = self._launches % (self.out_dev.numel() // self._words)
+        base = slot * self._words
+        event = None
+        if self._events is not None:
+            self.out_host[base:base + 2 * bs].copy_(out.packed, non_blocking=True)
+            event = self._events[slot]
+            event.record()
+        else:
+            self.out_dev[base:base + 2 * bs].copy_(out.packed)
+        self._launches += 1
+        return LaunchedStep(self._launches, batch, prep, out.tokens[:N], slot, 2 * bs, None, event,
+                            time.perf_counter(), lp_at=bs)
 
     def _pack_top(self, slot: int, ids_Nk: torch.Tensor, lp_Nk: torch.Tensor, rank_N: torch.Tensor) -> None:
         """Top ids [N, k] int64, log-probs [N, k] fp32 and ranks [N] int64 -> the slot's int32 top buffer."""
@@ -245,7 +279,8 @@ class ModelRunner:
         base = step.slot * self._words
         host = self._out_host_np[base:base + step.n]
         ids = host[2 * N:].reshape(step.ids_shape) if step.ids_shape is not None else None
-        return host[:N], host[N:2 * N].view(np.float32), ids
+        at = N if step.lp_at is None else step.lp_at
+        return host[:N], host[at:at + N].view(np.float32), ids
 
     @staticmethod
     def _routing_per_sample(batch: ScheduledBatch, prep: PreparedStep,

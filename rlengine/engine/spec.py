@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineSpec:
@@ -31,7 +33,7 @@ class EngineSpec:
     record_routing: bool = False           # MoE: record expert ids for replay in the learner
     enforce_eager: bool = False            # no decode CUDA graphs
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode graph buckets (None: the default ladder)
-    async_scheduling: bool = False         # overlap the host's step t+1 with the device's step t
+    async_scheduling: bool | None = None   # overlap the host's step t+1 with the device's step t (None: on CUDA)
     cpu_kernels: str = "cache"             # measure | cache | torch | skinny | a saved table's .json
     batch_invariant: bool = False          # one fixed-order kernel per op (bitwise learner = engine)
     shared_prefix_decode: bool | None = None  # None: the backend's measured default
@@ -45,9 +47,11 @@ class EngineSpec:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
 
-def resolve_engine_spec(spec: EngineSpec, max_position_embeddings: int, *, shared_pool: bool) -> EngineSpec:
-    """spec with max_model_len and max_num_batched_tokens made concrete for a model, checked (ValueError);
-    shared_pool: the engine reads another engine's KV pool, which keeps its own size."""
+def resolve_engine_spec(spec: EngineSpec, max_position_embeddings: int, *, shared_pool: bool,
+                        device: torch.device | None = None) -> EngineSpec:
+    """spec with max_model_len, max_num_batched_tokens and async_scheduling (None: on for a CUDA device,
+    where the host's work then hides behind the device's) made concrete for a model on `device`, checked
+    (ValueError); shared_pool: the engine reads another engine's KV pool, which keeps its own size."""
     from dataclasses import replace
 
     max_model_len = spec.max_model_len or max_position_embeddings
@@ -60,4 +64,7 @@ def resolve_engine_spec(spec: EngineSpec, max_position_embeddings: int, *, share
                          f"({max_model_len}): a preempted sequence is recomputed in one prefill step")
     if shared_pool and (spec.num_kv_blocks is not None or spec.kv_cache_memory is not None):
         raise ValueError("kv_pool: a shared pool keeps its own size; drop num_kv_blocks / kv_cache_memory")
-    return replace(spec, max_model_len=max_model_len, max_num_batched_tokens=tokens)
+    overlap = spec.async_scheduling
+    if overlap is None:
+        overlap = device is not None and torch.device(device).type == "cuda"
+    return replace(spec, max_model_len=max_model_len, max_num_batched_tokens=tokens, async_scheduling=overlap)

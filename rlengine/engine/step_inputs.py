@@ -105,7 +105,8 @@ class StepInputs:
         self.pending_index = np.zeros(R, np.int64)    # overlap: its index among that step's samples
         self.overlap = overlap
         B, T = max_num_seqs, max(max_num_batched_tokens, max_num_seqs)
-        prefill = (T, T, T, B, B, 0, B, B, B, B, B, 0, B + 1, B, T // self.P + B)
+        # a prefill's pages: its sequences' whole contexts (a trajectory's chunk attends its cached tokens too)
+        prefill = (T, T, T, B, B, 2 * B, B, B, B, B, B, 0, B + 1, B, max(T // self.P + B, B * max_pages_per_seq))
         decode = (B, B, B, 0, 0, 2 * B, B, B, B, B, B, B, B + 1, B, B * max_pages_per_seq)
         nbytes = max(_offsets(prefill)[-1], _offsets(decode)[-1])
         cuda = device.type == "cuda"
@@ -271,26 +272,30 @@ class StepInputs:
         host["kv_indptr"][B + 1:bs + 1] = self._arange[total + 1:total + 1 + bs - B]
         host["kv_last_page_len"][B:bs] = 1
         indices_np[total:total + bs - B] = self.null_block
+        host["top_k"][B:bs], host["kind"][B:bs], host["temperature"][B:bs], host["top_p"][B:bs] = 0, 0, 1, 1
 
     def _prepare_prefill(self, batch: ScheduledBatch) -> PreparedStep:
         self._reuse = None  # this step rewrites the staging buffer
         seqs, samples, P = batch.seqs, batch.samples, self.P
         B, N = len(seqs), len(samples)
-        lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, B)
+        full = np.fromiter((len(s.token_ids) for s in seqs), np.int64, B)  # tokens attended (context + new)
+        starts = None if batch.starts is None else np.asarray(batch.starts, np.int64)
+        lens = full if starts is None else full - starts  # this step's tokens per sequence
         T = int(lens.sum())
         rows = np.fromiter((s.row for s in seqs), np.int64, B)
-        npages = (lens + P - 1) // P
+        npages = (full + P - 1) // P
         total = int(npages.sum())
         grouped = N != B
-        counts = (T, T, T, B, N if grouped else 0, 0, N, N, N, N, N, 0, B + 1, B, total)
+        C = len(batch.copies)
+        counts = (T, T, T, B, N if grouped else 0, 2 * C, N, N, N, N, N, 0, B + 1, B, total)
         host, dev, host_t, at = self._sections(counts)
         qo = np.zeros(B + 1, np.int64)
         np.cumsum(lens, out=qo[1:])
         ids = host["input_ids"]
-        for seq, a, b in zip(seqs, qo[:-1].tolist(), qo[1:].tolist()):
-            ids[a:b] = seq.token_ids
+        for r, (seq, a, b) in enumerate(zip(seqs, qo[:-1].tolist(), qo[1:].tolist())):
+            ids[a:b] = seq.token_ids if starts is None else seq.token_ids[int(starts[r]):]
         pos = host["positions"]
-        np.subtract(self._arange[:T], np.repeat(qo[:-1], lens), out=pos)
+        np.subtract(self._arange[:T], np.repeat(qo[:-1] if starts is None else qo[:-1] - starts, lens), out=pos)
         page, off = np.divmod(pos, P)
         slots = host["slot_mapping"]
         np.multiply(self.bm.tables[np.repeat(rows, lens), page], P, out=slots, dtype=np.int64)
@@ -299,12 +304,12 @@ class StepInputs:
         indptr = host["kv_indptr"]
         indptr[0] = 0
         np.cumsum(npages, out=indptr[1:])
-        np.subtract(lens, (npages - 1) * P, out=host["kv_last_page_len"], casting="unsafe")
+        np.subtract(full, (npages - 1) * P, out=host["kv_last_page_len"], casting="unsafe")
         indices_np, indices = self._indices(at, total)
         self._gather_pages(rows, npages, indptr[:B], indices_np, total)
         sample_rows = np.asarray(batch.sample_rows, dtype=np.int64) if grouped else None
         srows = np.fromiter((s.row for s in samples), np.int64, N)
-        self._write_rows(samples, srows, lens[sample_rows] if grouped else lens)
+        self._write_rows(samples, srows, full[sample_rows] if grouped else full)
         logits_rows = None
         if grouped:
             host["logits_rows"][:] = sample_rows
@@ -312,14 +317,15 @@ class StepInputs:
         sb = self._sampling(host, dev, srows, N, logits_rows)
         if sb.kinds_any & SEEDED:
             host["seed_keys"][:N] = draw_keys(self.seed_key[srows], self.ctx_len[srows]).view(np.int64)
+        copies = self._copies(host, dev, batch.copies, C)  # copy-on-write of a chunk's shared first page
         self._upload(at + 4 * total)
         fb = ForwardBatch(
             kind="prefill", input_ids=dev["input_ids"], positions=dev["positions"], slot_mapping=dev["slot_mapping"],
             qo_indptr=qo.tolist(), kv_indptr=dev["kv_indptr"], kv_indices=indices,
             kv_last_page_len=dev["kv_last_page_len"], kv_indptr_host=host_t["kv_indptr"],
-            kv_last_page_len_host=host_t["kv_last_page_len"], context_lens=lens,
-            logits_indices=dev["logits_indices"], max_num_pages=int(npages.max()))
-        return PreparedStep(fb, sb, None, srows)
+            kv_last_page_len_host=host_t["kv_last_page_len"], context_lens=full,
+            logits_indices=dev["logits_indices"], max_num_pages=int(npages.max()), context_start=starts)
+        return PreparedStep(fb, sb, copies, srows)
 
     def _gather_pages(self, rows: np.ndarray, npages: np.ndarray, starts: np.ndarray, out: np.ndarray,
                       total: int) -> None:
@@ -377,6 +383,9 @@ class StepInputs:
             kv_last_page_len=dev["kv_last_page_len"], kv_indptr_host=host_t["kv_indptr"],
             kv_last_page_len_host=host_t["kv_last_page_len"], context_lens=np.ones(bs, np.int64),
             logits_indices=None, max_num_pages=self.max_pages, static=True)
+
+    def bucket_views(self, bs: int) -> dict:
+        return self._sections(self._decode_counts(bs, bs, 0))[1]  # bucket bs's device section views (graphs)
 
     def fill_padding(self, bs: int) -> None:
         """Buffers of bucket bs holding padding rows only (what a graph is captured on)."""

@@ -1,8 +1,11 @@
 """GPU (or interpreter) decode backend: rlengine's own Triton split-KV paged-decode kernel.
 
 graph_safe: the kernel reads the page tables from device tensors and each sequence splits its
-own pages, so the launch depends only on the batch size and on max_num_pages, which a graph
-bucket's batch fixes at capture (the per-sequence capacity). Shared-prefix decode (eager steps
+own pages, so the launch depends only on the batch size and on the split count plan() takes from
+max_num_pages, which a graph's batch fixes at capture. Graph buckets capture one graph per split
+class (graph_page_bounds: 1, 2, 4, ... splits up to what the SMs need), so a context that one split
+covers runs no merge launch. `num_sms` overrides the device's SM count in split planning (the CPU
+launch counter plans as on a 132-SM H100/H200 under the interpreter). Shared-prefix decode (eager steps
 only): a step with forked siblings runs kernels/cascade_decode.py on plan()'s cascade tables,
 uploaded once per step (one non_blocking copy from a pinned buffer on a GPU).
 """
@@ -35,15 +38,14 @@ class TritonBackend(AttentionBackend):
             return "the triton backend needs a CUDA device (or TRITON_INTERPRET=1 for CPU correctness runs)"
         return None
 
-    def __init__(self, kv_cache, num_heads, head_dim, max_num_seqs):
+    def __init__(self, kv_cache, num_heads, head_dim, max_num_seqs, num_sms: int | None = None):
         super().__init__(kv_cache, num_heads, head_dim, max_num_seqs)
         from rlengine.kernels import paged_decode as pd
 
         self._pd = pd
+        self.num_splits = 1  # the split count plan() chose for this step
+        self.plan_for_sms(num_sms)
         device = kv_cache.data.device
-        # sized to the most splits the kernel's heuristic can pick for this many KV heads
-        self.workspace = pd.alloc_workspace(max_num_seqs, num_heads, head_dim, pd.MAX_SPLITS, device,
-                                            num_kv_heads=kv_cache.data.shape[4])
         self.out = torch.empty(max_num_seqs, num_heads, head_dim, dtype=kv_cache.data.dtype, device=device)
         from rlengine.kernels import cascade_decode as cd
 
@@ -58,8 +60,42 @@ class TritonBackend(AttentionBackend):
         self._tables_slot = 0
         self.cascade = None
 
+    def plan_for_sms(self, num_sms: int | None) -> None:
+        """Plan splits for num_sms SMs (None: the device's); the workspace is sized to the most splits the
+        heuristic can then pick for this many KV heads."""
+        self.num_sms = num_sms
+        self._bounds: dict[tuple[int, int], list[int]] = {}
+        self.workspace = self._pd.alloc_workspace(self.max_num_seqs, self.num_heads, self.head_dim,
+                                                  self._pd.MAX_SPLITS, self.kv.data.device,
+                                                  num_kv_heads=self.kv.data.shape[4], num_sms=num_sms)
+
+    def splits(self, batch_size: int, max_num_pages: int) -> int:
+        """KV splits of a decode step of batch_size rows whose longest sequence holds max_num_pages pages."""
+        s = self._pd.choose_num_splits(batch_size, self.kv.data.shape[4], max_num_pages, self.kv.block_size,
+                                       self.kv.data.device, self.num_sms)
+        return max(1, min(s, self.workspace.max_splits(batch_size)))
+
+    def graph_page_bounds(self, bs: int, max_pages: int) -> list[int]:
+        """The largest page count planned with 1, 2, 4, ... splits, then max_pages (capacity); cached."""
+        hit = self._bounds.get((bs, max_pages))
+        if hit is not None:
+            return hit
+        bounds, s, cap = [], 1, self.splits(bs, max_pages)
+        while s < cap:
+            lo, hi = 1, max_pages  # the largest m with splits(m) <= s (splits is monotone in m)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.splits(bs, mid) <= s else (lo, mid - 1)
+            if not bounds or lo > bounds[-1]:
+                bounds.append(lo)
+            s *= 2
+        hit = self._bounds[bs, max_pages] = [b for b in bounds if b < max_pages] + [max_pages]
+        return hit
+
     def plan(self, batch) -> None:
         super().plan(batch)
+        if batch.kind == "decode":
+            self.num_splits = self.splits(batch.batch_size, batch.max_num_pages)
         plan = self.plan_shared_prefix(batch)
         self.cascade = None
         if plan is None:
@@ -99,4 +135,5 @@ class TritonBackend(AttentionBackend):
                                            out=self.out[: q_BHD.shape[0]])
         return self._pd.paged_decode(q_BHD, k_cache, v_cache, b.kv_indptr, b.kv_indices, b.kv_last_page_len,
                                      sm_scale=self.scale, max_num_pages=b.max_num_pages,
-                                     out=self.out[: q_BHD.shape[0]], workspace=self.workspace)
+                                     out=self.out[: q_BHD.shape[0]], workspace=self.workspace,
+                                     num_splits=self.num_splits)
