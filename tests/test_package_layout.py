@@ -26,6 +26,7 @@ LAYERS = [
     ["rlengine.rl.rollout_group", "rlengine.rl.distributed", "rlengine.rl.child_lifetime"],
     ["rlengine.rl.algo"],
     ["rlengine.rl.data"],
+    ["rlengine.rl.env"],
     ["rlengine.rl.config"],
     ["rlengine.plan.specs"],
     ["rlengine.rl.rollout"],

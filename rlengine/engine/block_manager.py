@@ -151,6 +151,36 @@ class BlockManager:
         self.version += 1
         return block, fresh
 
+    def extend_cost(self, seq: Sequence) -> int:
+        """Free blocks needed to write positions num_cached..len-1 (a chunk on top of seq's cached tokens):
+        new pages past its table, plus one copy when the page holding position num_cached is shared."""
+        start, table = seq.num_cached, seq.block_table
+        cost = max(0, self.blocks_for(len(seq)) - len(table))
+        idx = start // self.block_size
+        return cost + (1 if idx < len(table) and self.ref_counts[table[idx]] > 1 else 0)
+
+    def extend(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Make positions num_cached..len-1 writable (the caller checked extend_cost); returns the (src, dst)
+        copy-on-write pair of a shared page the chunk writes into, if any (at most one: pages past it are
+        new or only seq's, since a shared page is never written)."""
+        table, P = seq.block_table, self.block_size
+        copies = []
+        for idx in range(seq.num_cached // P, self.blocks_for(len(seq))):
+            if idx == len(table):
+                if idx >= self.tables.shape[1]:
+                    self._grow(pages=2 * self.tables.shape[1])
+                table.append(self._take())
+            elif self.ref_counts[table[idx]] > 1:
+                fresh = self._take()
+                self._release(table[idx])
+                copies.append((table[idx], fresh))
+                table[idx] = fresh
+            else:
+                continue
+            self.tables[seq.row, idx] = table[idx]
+            self.version += 1
+        return copies
+
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
             self._release(block)

@@ -151,7 +151,8 @@ class EngineCore:
     def _check_stall(self) -> None:
         """Nothing could be scheduled although requests wait: the shared pool's blocks are held elsewhere."""
         sched, bm = self.scheduler, self.block_manager
-        if sched.waiting and not sched.running:
+        # parked trajectories hold blocks until their caller continues or ends them: not a stall
+        if sched.waiting and not sched.running and not any(s.block_table for s in (*sched.parked, *sched.resuming)):
             need = bm.blocks_for(len(sched.waiting[0][0]))
             raise RuntimeError(f"KV pool exhausted: the next request needs {need} KV blocks, {bm.num_free} of "
                                f"{bm.num_blocks} are free and this engine holds none; the rest are held by another "
@@ -161,7 +162,9 @@ class EngineCore:
         """Queue the batch on the device; async: each sample gets a PENDING placeholder for its token."""
         if self.phase_listener is not None:
             self.phase_listener.set_phase(batch.kind)
-        num_tokens = sum(len(s.token_ids) for s in batch.seqs) if batch.kind == "prefill" else len(batch.seqs)
+        num_tokens = len(batch.seqs)
+        if batch.kind == "prefill":  # a trajectory's chunk counts only its new tokens (its history is cached)
+            num_tokens = sum(len(s.token_ids) for s in batch.seqs) - sum(batch.starts or ())
         step = self.runner.launch(batch, None if prev is None else prev.step)
         if self.spec.async_scheduling:
             for seq in batch.samples:

@@ -41,6 +41,9 @@ class ForwardBatch:
     # decode: [>= kv_indptr[-1]] int32 the page tables on the host (numpy view of the staging buffer),
     # read by plan() for shared-prefix decode; None when the step has none
     kv_indices_host: np.ndarray | None = None
+    # prefill: [B] host tokens of each sequence already in the cache, this step's tokens come after them (a
+    # trajectory's chunk, engine/turns.py); None: every sequence starts at position 0
+    context_start: np.ndarray | None = None
 
     @property
     def batch_size(self) -> int:

@@ -18,7 +18,9 @@ model/factory.py) and, when the tokenizer is the checkpoint's or given, at the t
 When given an nn.Module, the engine decodes with that module's own parameters: no copy is
 made, so a learner's optimizer step is visible at the next decode step. `weight_version`
 is bumped by the learner and stamped on every generated token (policy lag).
-Step-level API for streaming RL loops: add_request / step / has_unfinished / abort_request.
+Step-level API for streaming RL loops: add_request / step / has_unfinished / abort_request; for
+multi-turn trajectories add_request(multi_turn=True) / take_turns / continue_turn / end_trajectory
+(turns.py: a paused trajectory keeps its KV, an observation is prefilled on top of it).
 LLM is the API: its keywords become an EngineSpec (spec.py) and an EngineCore (core.py) runs the
 loop, schedule -> launch -> read -> process outputs (output_processor.py: stops, text, log-probs).
 LLM(async_scheduling=True) overlaps the host with the device: step t+1 is scheduled, prepared and
@@ -65,8 +67,10 @@ from rlengine.engine.prompts import Prompt, chat_prompts, parse_prompt, prompt_l
 from rlengine.engine.sampling_params import SamplingParams, sample_seed
 from rlengine.engine.sequence import Sequence
 from rlengine.engine.spec import EngineSpec, resolve_engine_spec
+from rlengine.engine import turns
 from rlengine.model import ops as op_dispatch
 from rlengine.model.qwen3 import Qwen3ForCausalLM
+from rlengine.model.lora_peft import load_lora
 from rlengine.model.tokenizer import Tokenizer
 
 
@@ -77,10 +81,10 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory: int | None = None, kv_pool: KVPool | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto", seed: int = 0,
                  moe_impl: str = "auto", record_routing: bool = False, enforce_eager: bool = False,
-                 cuda_graph_sizes: list[int] | None = None, async_scheduling: bool = False,
+                 cuda_graph_sizes: list[int] | None = None, async_scheduling: bool | None = None,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, cpu_kernels: str = "cache", batch_invariant: bool = False,
-                 shared_prefix_decode: bool | None = None, revision: str | None = None):
+                 shared_prefix_decode: bool | None = None, revision: str | None = None, lora_path: str | None = None):
         _check_vllm_args(tensor_parallel_size, trust_remote_code)
         spec = EngineSpec(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -97,12 +101,16 @@ class LLM:
                              "kv_pool, or it")
         self.tokenizer, tokenizer_eos = _tokenizer(model, tokenizer)  # before the weights: a bad file fails fast
         self.model = _build_model(model, _as_dtype(dtype, model), device, moe_impl)
+        if lora_path:  # a PEFT adapter directory, decoded unmerged on these weights (model/lora_peft.py)
+            load_lora(self.model, lora_path, base=str(model))
         self.config, self.device = self.model.config, self.model.device
-        self.spec = resolve_engine_spec(spec, self.config.max_position_embeddings, shared_pool=kv_pool is not None)
+        self.spec = resolve_engine_spec(spec, self.config.max_position_embeddings, shared_pool=kv_pool is not None,
+                                        device=self.device)
         self.eos_ids = frozenset(self.config.eos_token_ids) | frozenset(
             self.tokenizer.eos_token_ids if tokenizer_eos else ())
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids, finish=self._finish)
         self.core = EngineCore(self.model, self.spec, self.outputs, kv_pool=kv_pool)
+        self.outputs.pause = self.core.scheduler.pause
         # the core's parts, under the names vLLM-style code and the tests use
         c = self.core
         self.kv_pool, self.kv_cache, self.backend, self.block_manager = c.kv_pool, c.kv_cache, c.backend, c.block_manager
@@ -207,12 +215,13 @@ class LLM:
         return wants
 
     def add_request(self, prompt_token_ids, params: SamplingParams | None = None, request_id: str | None = None,
-                    *, prompt: str | None = None) -> str:
+                    *, prompt: str | None = None, multi_turn: bool = False) -> str:
         """Queue one request (n samples); raises ValueError for bad input without touching other requests.
 
         prompt_token_ids: token ids, or a {"prompt_token_ids": ...} / {"prompt": text} dict (a bare str is
         refused here). prompt: the text the ids came from (RequestOutput.prompt; turns text output on).
         Sample i of a request with a seed draws with sample_seed(seed, i) (sampling_params.py).
+        multi_turn: each sample is a trajectory (turns.py): a stop pauses it for continue_turn / end_trajectory.
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._request_ids))
@@ -221,6 +230,8 @@ class LLM:
         ids, text = parsed.token_ids, parsed.text if prompt is None else prompt
         self._validate(ids, params, where)
         detok = self._check_text(params, text, where)
+        if multi_turn:
+            turns.check_multi_turn(params, detok, where)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
@@ -228,6 +239,8 @@ class LLM:
         seqs = [Sequence(request_id, i, ids, params, stop_ids=stop, max_len=max_len,
                          seed_key=None if params.seed is None else sample_seed(params.seed, i))
                 for i in range(params.n)]
+        for seq in seqs:
+            seq.multi_turn = multi_turn
         for seq in seqs if detok else ():
             seq.detok = Detokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
                                     stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
@@ -243,6 +256,31 @@ class LLM:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self.requests.pop(request_id, None)
+
+    def take_turns(self) -> list[turns.TurnOutput]:
+        """The model turns of trajectories that ended since the last call (each now waits, holding its KV)."""
+        return turns.take_turns(self.outputs, self.max_model_len)
+
+    def continue_turn(self, request_id: str, index: int, observation: list[int], max_tokens: int) -> None:
+        """Append `observation` token ids to a waiting trajectory; it resumes decoding (up to max_tokens) after
+        one chunk prefill of the observation on top of its cached history. ValueError leaves it waiting."""
+        where = f"continue_turn {request_id!r}/{index}"
+        seq = turns.paused_sequence(self.requests, request_id, index, where)
+        bm = self.block_manager
+        turns.append_observation(seq, observation, max_tokens, vocab_size=self.config.vocab_size,
+                                 max_model_len=self.max_model_len, max_blocks=bm.num_blocks,
+                                 blocks_for=bm.blocks_for, where=where)
+        self.scheduler.resume(seq)
+
+    def end_trajectory(self, request_id: str, index: int, reason: str = "stop") -> None:
+        """A waiting trajectory is done: its blocks return; once all of its request's are, step() hands out
+        the RequestOutput (token_ids: every generated and observation token, token_logprobs the model's)."""
+        seq = turns.paused_sequence(self.requests, request_id, index, f"end_trajectory {request_id!r}/{index}")
+        self.scheduler.finish(seq, reason)
+        state = self.requests[request_id]
+        if state.finished:
+            self._stashed.append(state.output())
+            del self.requests[request_id]
 
     def has_unfinished(self) -> bool:
         """True while requests run or finished outputs wait to be returned by step()."""

@@ -5,7 +5,9 @@ scheduling in place of the placeholder the next launch appended), its log-prob a
 the top-k Logprob dicts when asked (vLLM's shape); per-sample stops (EOS / stop_token_ids, stop
 strings through the incremental detokenizer, the length limit); MoE routing ids for replay. A
 finished sample returns its blocks through `finish` (the scheduler's); a request whose samples have
-all finished becomes a RequestOutput. This is where stop handling and detokenisation live.
+all finished becomes a RequestOutput. A multi-turn sample (a trajectory) that stops is paused instead
+(`pause`, the scheduler's: it keeps its blocks) and listed in `turns_ended` for the caller
+(engine/turns.py). This is where stop handling and detokenisation live.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer | None, eos_ids: frozenset[int], finish: Callable):
         self.tokenizer, self.eos_ids, self.finish = tokenizer, eos_ids, finish  # finish(seq, reason)
+        self.pause: Callable | None = None  # pause(seq, reason): a trajectory's turn ended (Scheduler.pause)
+        self.turns_ended: list = []  # trajectories paused since the caller last took them (engine/turns.py)
         self.requests: dict[str, RequestState] = {}
         self._token_text: dict[int, str] = {}  # Logprob.decoded_token cache
 
@@ -38,9 +42,14 @@ class OutputProcessor:
         top = out.top
         if out.prompt is not None:
             self._record_prompt_logprobs(batch, out.prompt)
+        void = None  # async: indices of samples whose token is past a trajectory's turn (skipped)
         for i, (seq, token, logprob) in enumerate(zip(batch.samples, out.tokens, out.logprobs)):
             if seq.status is finished:
                 continue  # aborted, or (async) stopped at the step before: this token is past its end
+            if seq.void_outputs:  # async: a step launched past the end of a trajectory's turn
+                seq.void_outputs -= 1
+                void = (void or set()) | {i}
+                continue
             ids = seq.token_ids
             if ids[-1] != pending:
                 ids.append(token)
@@ -50,6 +59,7 @@ class OutputProcessor:
                 ids[at] = token
             seq.logprobs.append(logprob)
             seq.versions.append(version)
+            seq.roles.append(1)
             if top is not None and seq.top_logprobs is not None:
                 seq.top_logprobs.append(self._logprob_entry(top[0][i], top[1][i], seq.params.logprobs, token,
                                                             logprob, top[2][i], seq.params))
@@ -59,18 +69,28 @@ class OutputProcessor:
                 if seq.detok.add(token) and not stop:
                     stop, seq.stop_reason = True, seq.detok.stop_reason
             if stop or at + 1 >= seq.max_len:
+                if seq.multi_turn:  # it stays alive: the steps launched past its stop must not feed it
+                    seq.void_outputs = len(ids) - at - 1
                 del ids[at + 1:]  # async: the placeholder of a step launched past the stop
                 sp = seq.params
                 if stop and seq.stop_reason is None and token in sp.stop_token_ids and (
                         sp.ignore_eos or token not in self.eos_ids):
                     seq.stop_reason = token  # vLLM: a stop_token_ids entry (not an EOS id) is the stop reason
+                if seq.multi_turn:
+                    self.pause(seq, "stop" if stop else "length")
+                    self.turns_ended.append(seq)
+                    continue
                 self.finish(seq, "stop" if stop else "length")
                 state = self.requests[seq.request_id]
                 if state.finished:
                     done[seq.request_id] = state
         if out.routing is not None:
-            for seq, rows in zip(batch.samples, out.routing):
-                if batch.kind == "prefill":
+            for i, (seq, rows) in enumerate(zip(batch.samples, out.routing)):
+                if void is not None and i in void:
+                    continue
+                if batch.kind == "prefill" and batch.starts and batch.starts[batch.sample_rows[i]]:
+                    seq.routing_ids.append(rows)  # a trajectory's chunk: its history's rows stay
+                elif batch.kind == "prefill":
                     seq.routing_ids = [rows]  # a recompute replaces what the preempted run recorded
                 else:
                     seq.routing_ids.append(rows)

@@ -15,10 +15,19 @@ running the reservation is waived (progress is guaranteed, preemption handles th
 When a decode step needs a block and none is free, the most recently admitted running sequence
 is preempted by recomputation: its blocks are freed and it goes back to the front of the waiting
 queue, alone, with its generated tokens kept, to be prefilled again later. No request is lost.
+
+Trajectories (multi-turn sequences): a sequence whose turn ended is parked (`parked`, PAUSED) with
+its blocks and row, and counts toward max_num_seqs; continued with an observation it joins
+`resuming` and is prefilled as a chunk of its new tokens on top of its cached ones (start =
+num_cached, recorded in ScheduledBatch.starts), ahead of any new admission. Under memory pressure
+a parked trajectory is preempted before a decoding sequence: its blocks are freed and num_cached
+reset, so its resume prefills it whole (so is a continued one still waiting for its chunk, after the
+parked ones). New admissions never preempt a parked trajectory.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,6 +45,8 @@ class ScheduledBatch:
     sample_rows: list[int] | None = None        # prefill [N]: index in seqs of the logits row each sample
     #                                             draws from (its group's leader); None: sample i <- row i
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks, before forward
+    starts: list[int] | None = None             # prefill [B]: tokens of each seq already cached (chunk start);
+    #                                             None: every seq prefills from position 0
 
 
 class Scheduler:
@@ -45,6 +56,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[list[Sequence]] = deque()
         self.running: list[Sequence] = []
+        self.parked: list[Sequence] = []           # trajectories between turns (PAUSED), in pause order
+        self.resuming: deque[Sequence] = deque()   # continued trajectories waiting for their chunk prefill
+        self.num_parked_preemptions = 0
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
 
@@ -54,20 +68,43 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.resuming)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Sequences counted against max_num_seqs: running, parked and resuming ones."""
+        return len(self.running) + len(self.parked) + len(self.resuming)
 
     def schedule(self) -> ScheduledBatch:
         batch = self._schedule_prefill()
         return batch if batch.seqs else self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledBatch:
-        batch = ScheduledBatch("prefill", [], [], [])
+        batch = ScheduledBatch("prefill", [], [], [], starts=[])
         bm, tokens, reserved = self.bm, 0, 0
+        while self.resuming:  # already in flight: no cap check, ahead of new admissions
+            seq = self.resuming[0]
+            n = len(seq) - seq.num_cached
+            if tokens + n > self.max_num_batched_tokens or not self._room_to_resume(seq):
+                break
+            self.resuming.popleft()
+            batch.starts.append(seq.num_cached)
+            if seq.num_cached:
+                batch.copies.extend(bm.extend(seq))
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            else:  # preempted while parked: recomputed whole
+                self._admit([seq])
+            batch.sample_rows.append(len(batch.seqs))
+            batch.seqs.append(seq)
+            batch.samples.append(seq)
+            tokens += n
+            reserved += bm.first_decode_blocks(len(seq), 1)
         while self.waiting:
             group = self.waiting[0]
             leader, G = group[0], len(group)
             n = len(leader)
-            if len(self.running) + G > self.max_num_seqs or tokens + n > self.max_num_batched_tokens:
+            if self.num_in_flight + G > self.max_num_seqs or tokens + n > self.max_num_batched_tokens:
                 break
             first_decode = bm.first_decode_blocks(n, G) if self.running else 0
             if bm.blocks_for(n) + reserved + first_decode > bm.num_free:
@@ -75,11 +112,35 @@ class Scheduler:
             self.waiting.popleft()
             self._admit(group)
             batch.sample_rows.extend([len(batch.seqs)] * G)
+            batch.starts.append(0)
             batch.seqs.append(leader)
             batch.samples.extend(group)
             tokens += n
             reserved += bm.first_decode_blocks(n, G)
+        if not any(batch.starts):
+            batch.starts = None
         return batch
+
+    def _room_to_resume(self, seq: Sequence) -> bool:
+        """Free blocks for seq's chunk (or whole recompute), preempting other parked trajectories if needed."""
+        bm = self.bm
+        while True:
+            need = bm.extend_cost(seq) if seq.num_cached else bm.blocks_for(len(seq))
+            if need <= bm.num_free or not self._preempt_parked(seq):
+                return need <= bm.num_free
+
+    def _preempt_parked(self, resuming: Sequence | None = None) -> bool:
+        """Free the blocks of the most recently parked trajectory that holds any (then of a continued one still
+        waiting for its chunk, other than `resuming`); False if none holds blocks."""
+        for seq in itertools.chain(reversed(self.parked), reversed(self.resuming)):
+            if seq.block_table and seq is not resuming:
+                self.bm.free(seq)
+                self.num_recomputed_tokens += seq.num_cached
+                seq.num_cached = 0
+                self.num_preemptions += 1
+                self.num_parked_preemptions += 1
+                return True
+        return False
 
     def _admit(self, group: list[Sequence]) -> None:
         """Blocks for the leader's tokens, shared by every member; all members start running."""
@@ -109,7 +170,8 @@ class Scheduler:
                 continue
             # Room for seq's next K/V slot: preempt the newest sequences, possibly seq itself.
             while bm.append_cost(seq) > bm.num_free and seq.status is SequenceStatus.RUNNING:
-                self._preempt(running[-1])
+                if not self._preempt_parked():  # a parked trajectory goes before a decoding sequence
+                    self._preempt(running[-1])
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq was the newest running sequence; everything before it is scheduled
             copy = bm.append_slot(seq)
@@ -133,17 +195,44 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.bm.free(seq)
+        elif seq.status is SequenceStatus.PAUSED:
+            self.parked.remove(seq)
+            self.bm.free(seq)
+        elif seq in self.resuming:
+            self.resuming.remove(seq)
+            self.bm.free(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove([seq])
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    def pause(self, seq: Sequence, reason: str) -> None:
+        """A trajectory's turn ended: it leaves the running set and waits, parked with its blocks. The K/V of
+        its last token is not written yet (a decode step writes its input's), so num_cached = len - 1."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.PAUSED
+        seq.finish_reason = reason
+        seq.num_cached = len(seq) - 1
+        self.parked.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """A parked trajectory took new tokens: queue its chunk prefill."""
+        self.parked.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.finish_reason = None
+        self.resuming.append(seq)
+
     def abort(self, request_id: str) -> list[Sequence]:
-        """Drop every sequence of a request (waiting or running), freeing its blocks."""
+        """Drop every sequence of a request (waiting, running, parked or resuming), freeing its blocks."""
         gone = [s for s in self.running if s.request_id == request_id]
         for seq in gone:
             self.running.remove(seq)
             self.bm.free(seq)
+        for queue in (self.parked, self.resuming):
+            for seq in [s for s in queue if s.request_id == request_id]:
+                queue.remove(seq)
+                self.bm.free(seq)
+                gone.append(seq)
         for group in [g for g in self.waiting if g[0].request_id == request_id]:
             self.waiting.remove(group)
             gone.extend(group)

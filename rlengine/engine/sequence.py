@@ -5,6 +5,10 @@ admission the scheduler gives the first (the leader) fresh KV blocks and forks t
 others, and only the leader runs through the prefill forward; every member samples its first
 token from the leader's last logits row. A preempted sequence comes back alone, keeping its
 generated tokens, and is prefilled again (prompt + generated) on re-admission.
+A multi-turn sequence (a trajectory, `multi_turn`) does not finish at a stop: it is PAUSED with its
+KV blocks (`num_cached` tokens in the cache) until the caller appends an observation, which is then
+prefilled as a chunk on top of that cache (engine/turns.py has the lifecycle); `roles` marks each
+token after the prompt as the model's (1) or an observation's (0).
 Finish conditions are fixed when the sequence is created (`stop_ids`, `max_len`), so the
 per-step check is one set lookup and one length compare; samples that need text also carry a
 Detokenizer (`detok`, None otherwise), which checks stop strings.
@@ -26,6 +30,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    PAUSED = "paused"       # multi-turn: a turn ended; waits for an observation (blocks kept unless preempted)
 
 
 class Sequence:
@@ -33,7 +38,8 @@ class Sequence:
 
     __slots__ = ("seq_id", "request_id", "index", "token_ids", "num_prompt_tokens", "logprobs", "versions",
                  "block_table", "row", "status", "params", "seed_key", "stop_ids", "max_len", "finish_reason",
-                 "routing_ids", "detok", "stop_reason", "top_logprobs")
+                 "routing_ids", "detok", "stop_reason", "top_logprobs", "multi_turn", "num_cached", "roles",
+                 "turn_start", "void_outputs")
 
     def __init__(self, request_id: str, index: int, prompt: list[int], params: SamplingParams, *,
                  seed_key: int | None = None, stop_ids: frozenset[int] = frozenset(), max_len: int | None = None):
@@ -57,6 +63,11 @@ class Sequence:
         self.stop_reason: int | str | None = None  # stop string / stop token id that finished it (not EOS)
         # SamplingParams.logprobs: per generated token {token id: outputs.Logprob} (CompletionOutput.logprobs)
         self.top_logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.multi_turn = False                 # a trajectory: a stop pauses it instead of finishing it
+        self.num_cached = 0                     # leading tokens whose K/V the cache holds (a chunk prefill's start)
+        self.roles: list[int] = []              # per token after the prompt: 1 model, 0 observation
+        self.turn_start = len(prompt)           # index in token_ids of the current model turn's first token
+        self.void_outputs = 0                   # async: outputs of steps launched past its turn's end, to skip
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -77,3 +88,4 @@ class Sequence:
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
+        self.roles.append(1)

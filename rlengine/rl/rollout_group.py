@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class RolloutGroup:
-    """G responses to one prompt, scored."""
+    """G responses to one prompt (G trajectories in multi-turn rollouts), scored."""
 
     problem_index: int                  # index in task.train
     prompt_ids: list[int]
@@ -26,6 +26,13 @@ class RolloutGroup:
     scores: list[float] = field(default_factory=list)        # [G] task rewards before shaping ([] = rewards)
     loss_weights: list[float] = field(default_factory=list)  # [G] 0 excludes a response from the loss; [] = all 1
     token_credits: list[list[float]] = field(default_factory=list)  # [G][len] per-token credit (train.credit = token)
+    # multi-turn (rl/env/): [G][len] role of each completion token, 1 model, 0 observation; [] = all model. The
+    # completion then holds every token after the prompt, logprobs 0.0 on observation tokens, versions the
+    # model tokens' only; the learner's loss mask is 0 on observation tokens (learner/batching.py)
+    roles: list[list[int]] = field(default_factory=list)
+    turns: list[list[tuple[str, int, int]]] = field(default_factory=list)  # [G] (role, start, end) segments
+    end_reasons: list[str] = field(default_factory=list)  # [G] "env" or the limit that cut the trajectory
+    components: dict = field(default_factory=dict)  # key -> [G] named components of a dict-returning reward
 
     def lag(self, version: int) -> int:
         """Policy lag: updates between the oldest token of the group and the consuming update."""

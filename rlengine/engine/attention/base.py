@@ -1,8 +1,9 @@
 """The attention-backend protocol: plan() once per step, attend() once per layer.
 
 attend() writes the step's K/V into the paged cache (slot_mapping), then attends:
-prefill steps attend causally within each new sequence (every prefill in rlengine starts at
-position 0: forked samples never prefill, preempted ones recompute from scratch), decode
+prefill steps attend causally within each new sequence (from position 0: forked samples never
+prefill, preempted ones recompute from scratch; a trajectory's chunk on top of its cached tokens
+reads its whole context back from the cache, attention/context_prefill.py), decode
 steps run the backend's paged-decode kernel over the block tables. Subclasses implement
 `decode()` and may override `plan()` to build per-step metadata outside the layer loop.
 
@@ -28,6 +29,7 @@ import torch
 
 from rlengine.model import ext as _ext
 from rlengine.engine.attention.cascade import CascadePlan, plan_cascade
+from rlengine.engine.attention.context_prefill import ContextPrefill
 from rlengine.engine.kv_cache import KVCache
 from rlengine.model.attention import PackedCausal
 from rlengine.engine.forward_batch import ForwardBatch
@@ -70,6 +72,7 @@ class AttentionBackend:
         self.max_num_seqs = max_num_seqs
         self.batch: ForwardBatch | None = None
         self._prefill: PackedCausal | None = None  # set for prefill steps, None for decode steps
+        self._context: ContextPrefill | None = None  # a prefill step with cached context (trajectory chunks)
         self.shared_prefix = False  # the engine sets it (LLM(shared_prefix_decode=...)) where supported
         self.min_shared_fraction = 0.0  # cascade only where the plan saves at least this fraction of page reads
         self._rows_not_worth: np.ndarray | None = None  # first page per row of the last batch found not worth it
@@ -83,9 +86,18 @@ class AttentionBackend:
         self.shared_prefix = on and self.supports_shared_prefix
         self.min_shared_fraction = AUTO_SHARED_FRACTION if auto else 0.0
 
+    def graph_page_bounds(self, bs: int, max_pages: int) -> list[int]:
+        """Ascending page bounds of the context classes a graph bucket of bs rows captures one graph for
+        (the last is max_pages, the capacity): a backend whose launch depends on max_num_pages (split
+        counts) returns more than one, so short contexts do not pay for the capacity's splits."""
+        return [max_pages]
+
     def plan(self, batch: ForwardBatch) -> None:
         self.batch = batch
         self._prefill = PackedCausal(batch.qo_indptr, self.scale) if batch.kind == "prefill" else None
+        self._context = None
+        if batch.kind == "prefill" and batch.context_start is not None:
+            self._context = ContextPrefill(batch, self.kv.block_size, self.scale)
 
     def plan_shared_prefix(self, batch: ForwardBatch) -> CascadePlan | None:
         """This decode step's cascade plan, or None: plain decode (sharing off, a graph bucket, no two
@@ -110,6 +122,8 @@ class AttentionBackend:
         k_cache, v_cache = self.kv.k[layer_id], self.kv.v[layer_id]
         store_kv(k_TKD, v_TKD, k_cache, v_cache, self.batch.slot_mapping)
         if self._prefill is not None:
+            if self._context is not None:
+                return self._context.attend(self._prefill, layer_id, q_THD, k_cache, v_cache)
             return self._prefill.attend(layer_id, q_THD, k_TKD, v_TKD)
         return self.decode(layer_id, q_THD, k_cache, v_cache)
 

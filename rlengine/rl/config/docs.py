@@ -19,6 +19,14 @@ FIELD_DOCS: dict[str, str] = {
     "model.dtype": "weights and compute dtype: float32 | bfloat16 | float16 | float64 (tests)",
     "model.device": "cpu | cuda | cuda:N; auto = cuda if available, else cpu",
     "model.moe_impl": "MoE expert kernels: ref (torch loop) | triton | auto (triton on a GPU with triton)",
+    "model.lora_r": "LoRA rank r: train adapters x A B on the frozen base; 0 = full fine-tuning",
+    "model.lora_alpha": "LoRA alpha: the adapters' output is scaled by lora_alpha / lora_r",
+    "model.lora_dropout": "dropout on the adapters' input in the learner's forward, in [0, 1); 0 keeps log-probs exact",
+    "model.lora_target_modules": "PEFT names q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (list or "
+                                 "comma-separated), or all-linear",
+    "model.lora_path": "a PEFT adapter directory (adapter_config.json) to start from; empty = a fresh adapter",
+    "model.lora_modules_to_save": "PEFT's modules_to_save: lm_head trains a full, untied copy of the LM head beside "
+                                  "the adapters (the KL reference keeps the base head)",
     # [task]
     "task.name": "built-in task (first-digit, copy-digits, ...) or jsonl for a data file",
     "task.path": "training JSONL file for name = jsonl ({prompt, answer} or GSM8K rows; rlengine:PATH = packaged)",
@@ -126,6 +134,13 @@ FIELD_DOCS: dict[str, str] = {
     "train.adv_whiten": "none | batch: GRPO advantages whitened over the batch's trained tokens",
     "train.rollout_is": "none | token | sequence: truncated importance weights learner_old / engine on the loss",
     "train.rollout_is_cap": "truncation of the rollout importance weights",
+    "train.rollout_is_threshold": "verl's rollout_is_threshold: U truncates at U, L:U zeroes weights outside [L, U] "
+                                  "(IcePop); empty = rollout_is_cap",
+    "train.rollout_is_batch_normalize": "divide the rollout IS weights by their batch mean (verl's name)",
+    "train.rollout_rs": "rejection criteria, comma-chained: token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3",
+    "train.gdpo_reward_keys": "gdpo: the reward components (keys of a dict-returning reward) normalised per group",
+    "train.gdpo_reward_weights": "gdpo: the components' weights in the sum (empty = 1 each)",
+    "train.rollout_rs_threshold": "rejection thresholds: one shared or one per criterion; L:U for k1 criteria",
     "train.activation_checkpointing": "recompute each decoder layer in the backward (less activation memory)",
     "train.ref_offload": "keep the KL reference's decoder layers on the host, streamed to the device per layer",
     "train.adv_estimator": "advantage estimator (verl's name) in place of train.algo's; \"\" = its own. README lists them",
@@ -140,4 +155,14 @@ FIELD_DOCS: dict[str, str] = {
     "train.dro_beta": "dro: coefficient of the quadratic log-ratio penalty (> 0; required with policy_loss = dro)",
     "run.wandb": "also log every metric to Weights & Biases (`pip install rlengine[wandb]`; WANDB_MODE=offline works)",
     "run.wandb_project": "the wandb project; the run is named after run.out_dir",
+    # [env]
+    "env.name": "multi-turn rollouts: \"\" = single-turn, tools = the tool environment, or a plugin "
+                "'pkg.module:Name' (README: Multi-turn rollouts)",
+    "env.tools": "name = tools: built-in tools (lookup) or plugins 'pkg.module:function' with a tool_schema",
+    "env.call_format": "tool-call syntax: hermes (<tool_call>{json}</tool_call>) | compact (name(arg)) | auto "
+                       "(hermes with task.chat_template, else compact)",
+    "env.max_turns": "model turns per trajectory; a trajectory past it is cut (counted, the environment's on_cut reward)",
+    "env.max_turn_tokens": "tokens per model turn; 0 = gen.max_tokens (a trajectory's budget after its prompt)",
+    "env.max_obs_tokens": "tokens per observation; a longer one is cut to it (counted)",
+    "env.tool_timeout_s": "seconds per tool call; past it the call is answered with an error observation (counted)",
 }

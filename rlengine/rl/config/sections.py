@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from rlengine.model.config import ConfigError
 from rlengine.rl.algo.registry import ALGORITHMS, Algorithm, combination
 from rlengine.rl.algo.schedule import LR_RULE_POWERS, lr_by_rule
+from rlengine.rl.config.env_section import EnvSection
 from rlengine.rl.config.update_options import AGGREGATIONS, UpdateOptions
 
 
@@ -40,8 +41,19 @@ class ModelSection:
     moe_impl: str = "auto"               # auto (triton on a GPU, ref on a CPU; invariant with gen.batch_invariant) | ref | triton
     revision: str = ""                   # hub ids only: a branch, tag or commit sha ("" = the default branch)
     tokenizer: str = ""                  # a directory or hub id to take the tokenizer from ("" = the model's own)
+    lora_r: int = 0                      # LoRA rank; 0 = full fine-tuning (no adapters)
+    lora_alpha: float = 16.0             # LoRA scale = lora_alpha / lora_r
+    lora_dropout: float = 0.0
+    lora_target_modules: str | tuple[str, ...] = "all-linear"  # PEFT names (q_proj, ..., down_proj) or all-linear
+    lora_path: str = ""                  # a PEFT adapter directory to start from ("" = a fresh adapter)
+    lora_modules_to_save: str | tuple[str, ...] = ()  # PEFT's modules_to_save: ["lm_head"] trains a full head copy
 
     def __post_init__(self):
+        _check(self.lora_r >= 0, f"model.lora_r must be >= 1 (or 0 for no LoRA), got {self.lora_r}")
+        if self.lora_r or self.lora_path:  # the spec's own checks (ConfigError naming the field)
+            from rlengine.model.lora import lora_spec_of
+
+            lora_spec_of(self)
         _check(bool(self.name), "model.name is required: a preset (tiny, ...) or a HF checkpoint directory "
                                 "(--model.name DIR)")
         _check(self.revision == self.revision.strip() and self.tokenizer == self.tokenizer.strip(),
@@ -329,4 +341,5 @@ class RunSection:
 
 
 _SECTION_TYPES = {"model": ModelSection, "task": TaskSection, "gen": GenSection, "train": TrainSection,
-                  "warmstart": WarmStartSection, "eval": EvalSection, "run": RunSection}
+                  "warmstart": WarmStartSection, "eval": EvalSection, "run": RunSection,
+                  "env": EnvSection}  # multi-turn environments: rl/config/env_section.py

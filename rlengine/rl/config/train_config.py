@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from rlengine.rl.config.sections import (_SECTION_TYPES, EvalSection, GenSection, ModelSection, RunSection,
                                          TaskSection, TrainSection, WarmStartSection, _check)
+from rlengine.rl.config.env_section import EnvSection
 from rlengine.rl.config.values import typed
 
 
@@ -26,6 +27,7 @@ class TrainConfig:
     warmstart: WarmStartSection = field(default_factory=WarmStartSection)
     eval: EvalSection = field(default_factory=EvalSection)
     run: RunSection = field(default_factory=RunSection)
+    env: EnvSection = field(default_factory=EnvSection)
 
     def __post_init__(self):
         b_gen = self.gen.b_gen or self.train.b_train
@@ -35,6 +37,9 @@ class TrainConfig:
                f"gen.b_gen ({b_gen}) must be >= train.b_train ({self.train.b_train}): B_gen counts the responses in "
                "flight, at least one update's worth (0 = B_train, coupled; larger = async partial rollouts); the KV "
                "pool (gen.num_kv_blocks) is what bounds how many decode at once")
+        _check(self.env.max_turn_tokens <= self.gen.max_tokens,
+               f"env.max_turn_tokens ({self.env.max_turn_tokens}) must be <= gen.max_tokens ({self.gen.max_tokens}), "
+               "a trajectory's whole budget after its prompt")
         t = self.train
         if t.overlong == "soft":
             _check(self.overlong_buffer <= self.gen.max_tokens,

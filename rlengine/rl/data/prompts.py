@@ -20,12 +20,14 @@ from rlengine.rl.data.tasks import Task
 class PromptEncoder:
     """Callable prompt text -> token ids (list[int]) for one job."""
 
-    def __init__(self, tok: Tokenizer, *, chat_template: bool = False, system_prompt: str = ""):
+    def __init__(self, tok: Tokenizer, *, chat_template: bool = False, system_prompt: str = "",
+                 tools: list[dict] | None = None):
+        """tools: JSON schemas the chat template renders (apply_chat_template(tools=...)); chats only."""
         if chat_template and getattr(tok, "chat_template", None) is None:
             raise ConfigError("task.chat_template = true, but the model's tokenizer has no chat template "
                               "(tokenizer_config.json 'chat_template' or chat_template.jinja); "
                               "set task.chat_template = false or use a chat model's checkpoint")
-        self.tok, self.chat, self.system_prompt = tok, chat_template, system_prompt
+        self.tok, self.chat, self.system_prompt, self.tools = tok, chat_template, system_prompt, tools
         self._cache: dict[str, list[int]] = {}
 
     def messages(self, prompt: str) -> list[dict]:
@@ -37,7 +39,7 @@ class PromptEncoder:
         if ids is None:
             if self.chat:
                 ids = list(self.tok.apply_chat_template(self.messages(prompt), add_generation_prompt=True,
-                                                        tokenize=True))
+                                                        tokenize=True, tools=self.tools))
             else:
                 ids = self.tok.encode(prompt, add_special_tokens=True)
             self._cache[prompt] = ids

@@ -12,6 +12,7 @@ and a reward function. Built-in tasks use the tiny built-in tokenizer's alphabet
                                      ("positions"), evaluated by exact match (J); the warm start
                                      answers with prompt digits drawn at random positions, so it
                                      teaches "n prompt digits, then <eos>" but not which ones
+                                     (copy-digits: all but the first, the one read from ":")
 User data: JSONL with one {"prompt": str, "answer": str} object per line (GSM8K rows,
 {"question", "answer": "...#### N"}, map to prompt = question, answer = N: gsm8k_row; a row's
 other fields travel as Problem.extra to plugin rewards); a malformed row
@@ -103,6 +104,16 @@ def _random_prompt_digits(problem: Problem, rng: random.Random) -> str:
     return "".join(rng.choice(digits) for _ in problem.answer)
 
 
+def _first_digit_then_random(problem: Problem, rng: random.Random) -> str:
+    """copy-digits' warm-start answer: the answer's first digit, then prompt digits at random positions.
+    The first digit is the only one read from ":" rather than from a digit the copy rule already
+    reads; left to RL, that read sharpened onto a wrong prompt position on some seeds (all G samples
+    agreeing, no signal) while the other 23 slots learned. Exact match after this warm start stays
+    at chance: 23 of the 24 digits are still random."""
+    digits = [ch for ch in problem.prompt if ch.isdigit()]
+    return problem.answer[0] + "".join(rng.choice(digits) for _ in problem.answer[1:])
+
+
 def position_credit(token_texts: list[str], answer: str) -> list[float]:
     """Credit of each response token of a digit-string task: 1.0 where token t is answer[t], and for
     the <eos> ("") right after the last answer character; 0.0 for a wrong digit or an <eos> too
@@ -184,7 +195,8 @@ def digit_string_task(name: str, num_train: int, num_eval: int, seed: int, digit
             seen.add(s)
             problems.append(Problem(f"{s}:", DIGIT_RULES[name](s)))
     train, held = _split(problems, num_eval, seed)
-    return Task(name, train, held, get_reward("positions"), answer_len=digits, format_answer=_random_prompt_digits,
+    return Task(name, train, held, get_reward("positions"), answer_len=digits,
+                format_answer=_first_digit_then_random if name == "copy-digits" else _random_prompt_digits,
                 eval_reward_fn=get_reward("exact"), token_credit=position_credit)
 
 
@@ -255,7 +267,34 @@ def read_jsonl(path: str | Path) -> list[Problem]:
     return problems
 
 
-TASK_NAMES = ("first-digit", "last-digit", "addition", *DIGIT_RULES, "jsonl")  # what build_task accepts as task.name
+def _call_then_a_visible_digit(problem: Problem, rng: random.Random) -> str:
+    """key-lookup's warm-start text after the prompt: the right call, its result, a digit in view."""
+    key, decoys = problem.prompt[:2], problem.prompt[3:-1]
+    return f"lookup({key})<eos>={problem.answer}{rng.choice(decoys + problem.answer)}"
+
+
+LOOKUP_KEYS = [a + b for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijklmnopqrstuvwxyz"]
+
+
+def lookup_task(num_train: int, num_eval: int, seed: int, decoys: int = 4) -> Task:
+    """key-lookup, the built-in tool task (configs/grpo_tools.toml): "qx?3815:" -> call lookup(qx), see "=7",
+    answer "7". Each row's table (5 keys, distinct digits; Problem.extra["table"]) is read only by the
+    `lookup` tool (rl/env/tools.py); the prompt's digits are the other keys' values, never the answer, so
+    without the tool a policy scores at most chance. The warm start answers with a digit in view at random
+    (decoys or the tool's result): it teaches the call and the answer format, not which digit."""
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(num_train + num_eval):
+        keys = rng.sample(LOOKUP_KEYS, decoys + 1)
+        values = rng.sample(range(10), decoys + 1)
+        prompt = f"{keys[0]}?{''.join(str(v) for v in values[1:])}:"
+        problems.append(Problem(prompt, str(values[0]), extra={"table": dict(zip(keys, values))}))
+    train, held = _split(problems, num_eval, seed)
+    return Task("key-lookup", train, held, get_reward("exact"), format_answer=_call_then_a_visible_digit)
+
+
+# what build_task accepts as task.name
+TASK_NAMES = ("first-digit", "last-digit", "addition", *DIGIT_RULES, "key-lookup", "jsonl")
 
 
 def build_task(name: str, *, path: str = "", eval_path: str = "", reward: str = "", num_train: int = 2000,
@@ -268,6 +307,8 @@ def build_task(name: str, *, path: str = "", eval_path: str = "", reward: str = 
         task = addition_task(num_train, num_eval, seed)
     elif name in DIGIT_RULES:
         task = digit_string_task(name, num_train, num_eval, seed)
+    elif name == "key-lookup":
+        task = lookup_task(num_train, num_eval, seed)
     elif name == "jsonl":
         if not path:
             raise DatasetError("task.name = 'jsonl' needs task.path")

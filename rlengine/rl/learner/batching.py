@@ -6,11 +6,14 @@ positions that predict completion tokens. Behaviour log-probs from the engine an
 advantages are laid on the same positions. Micro-batches are contiguous runs of whole
 sequences; every loss is normalised by the FULL batch's count (rlengine/rl/algo/losses.py), so
 accumulating micro-batch gradients gives exactly the full-batch gradient.
+A multi-turn trajectory (RolloutGroup.roles) packs as one sequence too; its loss mask (and advantage)
+is 0 on observation tokens, so every loss and aggregation that reads the mask skips them.
 Dimension legend: T packed tokens, B sequences (= B_train responses), P prompts, G group size.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -38,6 +41,7 @@ class TrainBatch:
     is_weights: torch.Tensor | None = None   # [T] truncated rollout importance weights (train.rollout_is)
     old_values: torch.Tensor | None = None   # [T] PPO critic values before the update
     returns: torch.Tensor | None = None      # [T] PPO value targets (GAE)
+    token_select: torch.Tensor | None = None  # [T] bool tokens a loss treats apart (PolicyLoss.select), whole batch
 
     @property
     def num_seqs(self) -> int:
@@ -70,7 +74,7 @@ class TrainBatch:
             rewards=self.rewards[s:e], seq_ids=self.seq_ids[a:b] - s,
             cu_seqlens=[c - a for c in self.cu_seqlens[s:e + 1]], routing_ids=cut(self.routing_ids),
             learner_old_logprobs=cut(self.learner_old_logprobs), is_weights=cut(self.is_weights),
-            old_values=cut(self.old_values), returns=cut(self.returns))
+            old_values=cut(self.old_values), returns=cut(self.returns), token_select=cut(self.token_select))
 
     @staticmethod
     def filler(device) -> "TrainBatch":
@@ -100,15 +104,18 @@ class TrainBatch:
                           advantages=move(self.advantages), rewards=move(self.rewards), seq_ids=move(self.seq_ids),
                           cu_seqlens=self.cu_seqlens, routing_ids=move(self.routing_ids),
                           learner_old_logprobs=move(self.learner_old_logprobs), is_weights=move(self.is_weights),
-                          old_values=move(self.old_values), returns=move(self.returns))
+                          old_values=move(self.old_values), returns=move(self.returns),
+                          token_select=move(self.token_select))
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
          seq_advantages: list[float], rewards: list[float], routing: list | None = None,
-         loss_weights: list[float] | None = None, token_advantages: list[list[float]] | None = None) -> TrainBatch:
+         loss_weights: list[float] | None = None, token_advantages: list[list[float]] | None = None,
+         roles: list[list[int] | None] | None = None) -> TrainBatch:
     """Pack B responses. loss_weights [B] (default all 1) scale each response's loss mask: 0 leaves it
-    in the batch with no gradient (train.overlong = "mask"). Raises ValueError for an empty
-    completion or mismatched log-probs."""
+    in the batch with no gradient (train.overlong = "mask"). roles [B] (multi-turn; None or a None
+    entry: all model tokens): 1 model, 0 observation per completion token; observation tokens get mask
+    and advantage 0. Raises ValueError for an empty completion or mismatched log-probs / roles."""
     ids, tgts, mask, old, adv, sid, cu = [], [], [], [], [], [], [0]
     weights = loss_weights or [1.0] * len(completions)
     for b, (p, c, lp, a) in enumerate(zip(prompts, completions, logprobs, seq_advantages)):
@@ -119,9 +126,17 @@ def pack(prompts: list[list[int]], completions: list[list[int]], logprobs: list[
         ids.extend(seq[:-1])
         tgts.extend(seq[1:])
         pad = len(p) - 1
-        mask.extend([0.0] * pad + [weights[b]] * len(c))
+        role = roles[b] if roles else None
+        if role is not None and len(role) != len(c):
+            raise ValueError(f"response {b}: {len(c)} tokens with {len(role)} roles")
+        token_adv = list(token_advantages[b]) if token_advantages else [a] * len(c)
+        if role is None:
+            mask.extend([0.0] * pad + [weights[b]] * len(c))
+        else:
+            mask.extend([0.0] * pad + [weights[b] * r for r in role])
+            token_adv = [x * r for x, r in zip(token_adv, role)]
         old.extend([0.0] * pad + list(lp))
-        adv.extend([0.0] * pad + (list(token_advantages[b]) if token_advantages else [a] * len(c)))
+        adv.extend([0.0] * pad + token_adv)
         sid.extend([b] * n_in)
         cu.append(cu[-1] + n_in)
     route = None
@@ -139,12 +154,17 @@ def estimate_batch(groups: list[RolloutGroup], estimator, opts, *, token_credit:
     advantages, one per response broadcast over its tokens (with token_credit, one per token from the
     groups' token_credits through estimator.token_fn); a critic estimator's batch carries zeros, which
     the learner replaces with its GAE advantages. opts: the train.* options the estimator reads."""
-    if estimator.critic:
+    if estimator.critic or estimator.needs:  # the learner computes these (GAE; learner/token_baseline.py)
         return ppo_batch(groups)
     if not groups:  # this rank's share of the update can be empty
         return _flatten(groups, torch.zeros(0, 0))
     if estimator.token_level_fn is not None:
-        return _token_level(groups, estimator.token_level_fn, opts)
+        fn = estimator.token_level_fn
+        if estimator.components:  # gdpo: the named reward components, [B] per key in packing order
+            keys = {k for g in groups for k in g.components}
+            fn = functools.partial(fn, components_B={k: torch.tensor(
+                [v for g in groups for v in g.components.get(k, [0.0] * len(g.completions))]) for k in keys})
+        return _token_level(groups, fn, opts)
     rewards_PG = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
     token_adv = [a for g in groups for a in estimator.token_fn(g.token_credits, opts)] if token_credit else None
     return _flatten(groups, estimator.fn(rewards_PG, opts), token_adv)
@@ -187,7 +207,7 @@ def ppo_batch(groups: list[RolloutGroup]) -> TrainBatch:
 
 def _flatten(groups: list[RolloutGroup], adv_PG: torch.Tensor, token_adv: list[list[float]] | None = None) -> TrainBatch:
     """Pack the responses of `groups` in group order, response i of group p with advantage adv_PG[p, i]."""
-    prompts, comps, lps, advs, rews, routing, weights = [], [], [], [], [], [], []
+    prompts, comps, lps, advs, rews, routing, weights, roles = [], [], [], [], [], [], [], []
     for g, adv_G in zip(groups, adv_PG.tolist()):
         for i, c in enumerate(g.completions):
             prompts.append(g.prompt_ids)
@@ -196,6 +216,8 @@ def _flatten(groups: list[RolloutGroup], adv_PG: torch.Tensor, token_adv: list[l
             advs.append(adv_G[i])
             rews.append(g.rewards[i])
             weights.append(g.loss_weights[i] if g.loss_weights else 1.0)
+            roles.append(g.roles[i] if g.roles else None)
             if g.routing_ids:
                 routing.append(g.routing_ids[i])
-    return pack(prompts, comps, lps, advs, rews, routing if len(routing) == len(comps) else None, weights, token_adv)
+    return pack(prompts, comps, lps, advs, rews, routing if len(routing) == len(comps) else None, weights, token_adv,
+                roles if any(r is not None for r in roles) else None)

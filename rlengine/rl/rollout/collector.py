@@ -15,6 +15,9 @@ at once and its group waits in `pending`; groups are applied (sampler update, dy
 filter, retained) strictly in submission order at fixed points — coupled: at the end of each
 wave; async: after the next engine step, or at once when the pending ones could complete the
 batch — so the run is the same whether rewards run in this process or in worker processes.
+Multi-turn (env = a TrajectoryDriver, rl/env/): each sample is a trajectory resident in the engine;
+after every engine step the driver hands ended turns to their environments, and a finished request's
+rewards are its environments' (no reward calls); rollout/trajectories.py builds its group.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from rlengine.rl.data.rewards import RewardCall
 from rlengine.rl.data.scoring import RewardScorer
 from rlengine.rl.algo.advantages import token_credits_uniform
 from rlengine.rl.data.tasks import Problem, Task, assign_token_credits
+from rlengine.rl.rollout.trajectories import group_from_trajectories
 
 
 class PrioritySampler:
@@ -91,6 +95,7 @@ class CollectStats:
     filter_fallback: bool = False        # dynamic sampling hit its budget and kept groups unfiltered
     rewards: list = field(default_factory=list)  # rewards of the batch's responses on ALL ranks, in order
     scores: list = field(default_factory=list)   # THIS rank's scored rewards, before the filter / lag check
+    trajectory_counts: dict = field(default_factory=dict)  # multi-turn: TrajectoryDriver.snapshot() (running totals)
 
     @property
     def retained_fraction(self) -> float:
@@ -119,11 +124,12 @@ class RolloutCollector:
                  params: SamplingParams, sampler: PrioritySampler, dynamic_sampling: bool, max_lag: int,
                  max_filter_factor: int = 8, max_reward_error_frac: float = 0.01, dist: Dist | None = None,
                  seed: int = 0, runner=None, encode_prompt: Callable[[str], list[int]] | None = None,
-                 token_credit: bool = False):
+                 token_credit: bool = False, env=None):
         """runner: where reward calls run (reward_pool.InlineRunner / RewardPool; default: in this process
         with task.reward_fn). encode_prompt: prompt text -> token ids (default tokenizer.encode; the
         trainer passes the chat-template encoder). token_credit (train.credit = "token"): groups carry
-        their per-token credits, and dynamic sampling drops a group only when those give no signal."""
+        their per-token credits, and dynamic sampling drops a group only when those give no signal.
+        env: a rl.env.TrajectoryDriver for multi-turn rollouts (None: one completion per sample)."""
         self.dist = dist or Dist()
         self.seed = seed
         self.next_request = 0                         # global request index of the next coupled submission
@@ -145,6 +151,7 @@ class RolloutCollector:
         self.encode = encode_prompt or tokenizer.encode
         self.pending: deque[_PendingGroup] = deque()  # finished, scoring submitted, not yet applied (async)
         self.applicable = 0                           # pending groups submitted before the last engine step
+        self.env = env
 
     @property
     def async_mode(self) -> bool:
@@ -153,8 +160,21 @@ class RolloutCollector:
     def _submit(self) -> None:
         idx = self.sampler.sample()
         prompt = self.encode(self.task.train[idx].prompt)
-        rid = self.llm.add_request(prompt, self.params)
-        self.in_flight[rid] = idx
+        self.in_flight[self._add(prompt, self.params, idx)] = idx
+
+    def _add(self, prompt: list[int], params: SamplingParams, idx: int) -> str:
+        if self.env is None:
+            return self.llm.add_request(prompt, params)
+        rid = self.llm.add_request(prompt, self.env.first_turn(params), multi_turn=True)
+        self.env.add(rid, params.n, self.task.train[idx])
+        return rid
+
+    def _step(self) -> list:
+        """One engine step; with environments, the turns it ended get their observations."""
+        outs = self.llm.step()
+        if self.env is not None:
+            self.env.advance(self.llm)
+        return outs
 
     def collect(self, stats: CollectStats) -> list[RolloutGroup]:
         """Step the engine until B_train responses (P groups) are retained; returns exactly P groups.
@@ -186,13 +206,15 @@ class RolloutCollector:
             while len(self.in_flight) < cap:
                 self._submit()
             self.applicable = len(self.pending)
-            for out in self.llm.step():
+            for out in self._step():
                 self.pending.append(self._submit_scoring(out))
         scorer.check(f"rollout batch at weight version {self.llm.weight_version}")
         batch, self.ready = self.ready[:need], self.ready[need:]
         self.filtering = True
         stats.rewards = [r for g in batch for r in g.rewards]
         stats.reward_components = scorer.component_means()
+        if self.env is not None:
+            stats.trajectory_counts = self.env.snapshot()
         return batch
 
     def _apply_pending(self, count: int, scorer: RewardScorer, stats: CollectStats) -> None:
@@ -216,12 +238,12 @@ class RolloutCollector:
             for g, idx in enumerate(indices, start=first):
                 if g % d.world == d.rank:
                     params = dataclasses.replace(self.params, seed=request_seed(self.seed, g))
-                    rid = self.llm.add_request(self.encode(self.task.train[idx].prompt), params)
+                    rid = self._add(self.encode(self.task.train[idx].prompt), params, idx)
                     self.in_flight[rid] = idx
                     self.request_index[rid] = g
             pending: dict[int, _PendingGroup] = {}
             while self.in_flight:  # each finished group's rewards are computed while the rest decode
-                for out in self.llm.step():
+                for out in self._step():
                     pending[self.request_index.pop(out.request_id)] = self._submit_scoring(out)
             local = {g: self._finish(pending[g], scorer) for g in sorted(pending)}
             wave = [(g, grp.problem_index, grp.rewards, grp.reward_errors, self._uniform(grp)) for g, grp in local.items()]
@@ -241,6 +263,8 @@ class RolloutCollector:
         self._check_rewards(scorer)
         self.filtering = True
         stats.reward_components = scorer.component_means()
+        if self.env is not None:
+            stats.trajectory_counts = self.env.snapshot()
         return kept
 
     def _check_rewards(self, scorer: RewardScorer) -> None:
@@ -271,6 +295,8 @@ class RolloutCollector:
             if version - oldest > self.max_lag:
                 self.llm.abort_request(rid)
                 del self.in_flight[rid]
+                if self.env is not None:
+                    self.env.drop(rid)
                 stats.stale_aborted += 1
 
     def _drop_stale(self, stats: CollectStats) -> None:
@@ -284,6 +310,8 @@ class RolloutCollector:
     def _submit_scoring(self, out) -> "_PendingGroup":
         """A finished request: hand its G reward calls to the runner; the group waits for them."""
         idx = self.in_flight.pop(out.request_id)
+        if self.env is not None:  # the environments' rewards: nothing to score
+            return _PendingGroup(idx, out, -1, self.env.pop(out.request_id))
         problem: Problem = self.task.train[idx]
         calls = [RewardCall(self.tok.decode(c.token_ids), problem.answer, problem.prompt, dict(problem.extra))
                  for c in out.outputs]
@@ -299,12 +327,18 @@ class RolloutCollector:
         """A pending group with its rewards (failures score 0 and are counted by `scorer`), and its
         per-token credits with token_credit."""
         out, errors_before = pending.out, scorer.errors
-        rewards = [scorer.record(o) for o in self.runner.gather(pending.ticket)]
+        if pending.trajectories is not None:
+            return group_from_trajectories(pending.problem_index, out, pending.trajectories)
+        outcomes = self.runner.gather(pending.ticket)
+        rewards = [scorer.record(o) for o in outcomes]
         group = RolloutGroup(pending.problem_index, out.prompt_token_ids, [c.token_ids for c in out.outputs],
                             [c.token_logprobs for c in out.outputs], rewards, [c.policy_versions for c in out.outputs],
                             [c.finish_reason for c in out.outputs],
                             [c.routing_ids for c in out.outputs if c.routing_ids is not None],
                             scorer.errors - errors_before)
+        # a dict-returning reward's named components, per response (gdpo reads them; a failed call: 0.0)
+        group.components = {k: [o.components.get(k, 0.0) for o in outcomes]
+                            for k in sorted({k for o in outcomes for k in o.components})}
         if self.token_credit:
             assign_token_credits([group], self.task, self.tok)
         return group
@@ -327,10 +361,13 @@ class RolloutCollector:
         """Abort everything in flight (checkpoint boundaries in async mode, shutdown)."""
         for rid in list(self.in_flight):
             self.llm.abort_request(rid)
+            if self.env is not None:  # a resumed run starts these prompts afresh (counted: dropped_in_flight)
+                self.env.drop(rid)
         self.in_flight.clear()
         self.request_index.clear()
         for p in self.pending:  # finished but not applied: like unconsumed `ready` groups, not saved
-            self.runner.discard(p.ticket)
+            if p.trajectories is None:
+                self.runner.discard(p.ticket)
         self.pending.clear()
         self.applicable = 0
 
@@ -341,4 +378,5 @@ class _PendingGroup:
 
     problem_index: int                  # index in task.train
     out: object                         # the engine's RequestOutput
-    ticket: int                         # runner ticket of its G calls
+    ticket: int                         # runner ticket of its G calls (-1: multi-turn, no calls)
+    trajectories: list | None = None    # multi-turn: its G rl.env.Trajectory records, rewards included

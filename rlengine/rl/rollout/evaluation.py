@@ -12,6 +12,8 @@ through the job's reward runner. Per set:
 J (what N*, the tuner and the accounting read) is the mean@k of eval.primary (default: the first
 set). Several ranks: prompt i of the concatenated sets runs on rank i mod K with seed
 request_seed(run seed + 1, i), so the numbers are global and independent of K.
+With an environment (env: a TrajectoryDriver over the eval engine, [env]) each sample is a multi-turn
+episode run exactly as in training, and its reward is the environment's: J is measured on episodes.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ class Evaluator:
     """Decodes and scores every eval set; run() returns the metrics of one evaluation."""
 
     def __init__(self, llm, encode, runner, tok, sets: list[EvalSet], section: EvalSection, *, max_tokens: int,
-                 seed: int, max_error_frac: float, dist):
-        self.llm, self.encode, self.runner, self.tok = llm, encode, runner, tok
+                 seed: int, max_error_frac: float, dist, env=None):
+        self.llm, self.encode, self.runner, self.tok, self.env = llm, encode, runner, tok, env
         self.sets, self.cfg = sets, section
         self.max_tokens, self.seed, self.max_error_frac, self.dist = max_tokens, seed, max_error_frac, dist
 
@@ -62,9 +64,12 @@ class Evaluator:
         mine = [(i, s, p) for i, (s, p) in enumerate(owner) if i % d.world == d.rank]
         params = [SamplingParams(n=k, temperature=e.temperature, seed=request_seed(self.seed + 1, i),
                                  max_tokens=self.max_tokens) for i, _, _ in mine]
-        outs = self.llm.generate([self.encode(p.prompt) for _, _, p in mine], params) if mine else []
         scorer = RewardScorer(None, self.max_error_frac)
-        rewards = score_samples(self.runner, scorer, self.tok, [p for _, _, p in mine], outs)
+        if self.env is not None:
+            rewards = self._episodes([p for _, _, p in mine], params)
+        else:
+            outs = self.llm.generate([self.encode(p.prompt) for _, _, p in mine], params) if mine else []
+            rewards = score_samples(self.runner, scorer, self.tok, [p for _, _, p in mine], outs)
         # per set: reward sum, sample count, prompts passed, prompts -- summed over ranks
         sums = [0.0] * (4 * len(self.sets))
         for (_, s, _), r in zip(mine, rewards):
@@ -84,3 +89,16 @@ class Evaluator:
         metrics["J"] = metrics[f"eval/{e.primary_set}/mean@{k}"]
         metrics["eval_reward_errors"] = scorer.errors
         return metrics
+
+    def _episodes(self, problems: list[Problem], params: list[SamplingParams]) -> list[list[float]]:
+        """Rewards [len(problems)][k] of multi-turn episodes: the environment's, as in training (collector.py)."""
+        drv, rids = self.env, []
+        for p, sp in zip(problems, params):
+            rids.append(self.llm.add_request(self.encode(p.prompt), drv.first_turn(sp), multi_turn=True))
+            drv.add(rids[-1], sp.n, p)
+        done: dict[str, list[float]] = {}
+        while len(done) < len(rids):
+            for out in self.llm.step():
+                done[out.request_id] = [t.reward for t in drv.pop(out.request_id)]
+            drv.advance(self.llm)
+        return [done[r] for r in rids]

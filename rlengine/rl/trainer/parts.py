@@ -27,6 +27,7 @@ from rlengine.rl.data.prompts import PromptEncoder, check_job_prompts
 from rlengine.rl.data.reward_pool import make_runner
 from rlengine.rl.data.tasks import Task, build_task
 from rlengine.rl.distributed import Dist
+from rlengine.rl.env.build import JobEnv
 from rlengine.rl.learner.learner import Learner
 from rlengine.rl.rollout.collector import PrioritySampler, RolloutCollector
 from rlengine.rl.rollout.evaluation import EvalSet, Evaluator, build_eval_sets
@@ -130,7 +131,10 @@ def build_parts(cfg: TrainConfig, dist: Dist, *, pinned_micro_batch: int | None 
     if t.credit == "token" and task.token_credit is None:
         raise ConfigError(f"train.credit = 'token' needs a task with per-token credit (copy-digits, "
                           f"reverse-digits, shift-digits); task {task.name!r} has only a sequence reward")
-    encode = PromptEncoder(tok, chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt)
+    # multi-turn: the [env] environment (rl/env/build.py), one driver per engine; None = single-turn
+    job_env = JobEnv.from_config(cfg.env, task.reward_fn, tok, max_tokens=g.max_tokens, chat=cfg.task.chat_template)
+    encode = PromptEncoder(tok, chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt,
+                           tools=job_env.tool_schemas if job_env is not None else None)
     eval_sets = build_eval_sets(task, cfg.eval)
     llm, eval_llm, plan = build_engines(cfg, model, task, encode, eval_sets, dist, moe_impl=moe_impl,
                                         pinned_micro_batch=pinned_micro_batch)
@@ -152,9 +156,11 @@ def build_parts(cfg: TrainConfig, dist: Dist, *, pinned_micro_batch: int | None 
                                  params=params, sampler=sampler, dynamic_sampling=r.dynamic_sampling,
                                  max_lag=r.max_lag, max_reward_error_frac=cfg.task.max_reward_error_frac, dist=dist,
                                  seed=cfg.run.seed, runner=rewards, encode_prompt=encode,
-                                 token_credit=r.token_credit)
+                                 token_credit=r.token_credit,
+                                 env=job_env.driver("rollout") if job_env is not None else None)
     evaluator = Evaluator(eval_llm, encode, eval_rewards, tok, eval_sets, cfg.eval, max_tokens=g.max_tokens,
-                          seed=cfg.run.seed, max_error_frac=cfg.task.max_reward_error_frac, dist=dist)
+                          seed=cfg.run.seed, max_error_frac=cfg.task.max_reward_error_frac, dist=dist,
+                          env=job_env.driver("eval") if job_env is not None else None)
     return JobParts(model=model, tok=tok, task=task, encode=encode, eval_sets=eval_sets, llm=llm, eval_llm=eval_llm,
                     plan=plan, sampler=sampler, rewards=rewards, eval_rewards=eval_rewards,
                     collector=collector,

@@ -18,8 +18,11 @@ from pathlib import Path
 
 import torch
 
+from rlengine.model.config import ConfigError
 from rlengine.rl.distributed import Dist
 from rlengine.rl.rollout.collector import CollectStats
+from rlengine.rl.rollout.trajectories import trajectory_metrics
+from rlengine.rl.trainer.run_outputs import replace_lines
 from rlengine.rl.trainer.verl_metrics import verl_fields
 from rlengine.rl.rollout_group import RolloutGroup
 from rlengine.telemetry.records import BoundaryRecord, build_boundary_record
@@ -78,12 +81,13 @@ def update_record(*, update: int, n: int, critic_only: bool, b_train: int, stats
         "filter_fallback": stats.filter_fallback,
         "t_gen": t_gen, "t_train": t_train, "q_gen": b_train / t_gen, "q": b_train / (t_gen + t_train),
         "actor_grad_norm": m["actor_grad_norm"], "critic_grad_norm": m["critic_grad_norm"],
-        **actor,
+        **actor, **{k: v for k, v in m.items() if k.startswith("rollout_corr/")},  # verl's names (learner/update.py)
         "policy_lag_mean": sum(lags) / len(lags), "policy_lag_max": max(lags), "lr": lr,
         "b_act_mean": boundary.b_act.mean, "b_act_p50": boundary.b_act.p50, "b_act_p90": boundary.b_act.p90,
         "b_act_frac_time_below": boundary.b_act.frac_time_below, "gen_tokens": boundary.generated_tokens,
         "preemptions": boundary.preemptions,
         "overlong_frac": overlong / max(seqs, 1.0), **stats.reward_components,
+        **trajectory_metrics(groups, stats.trajectory_counts),  # multi-turn rollouts only (rollout/trajectories.py)
     }
     if soft_overlong:
         record["overlong_penalty_mean"] = penalty / max(seqs, 1.0)
@@ -102,17 +106,24 @@ def update_record(*, update: int, n: int, critic_only: bool, b_train: int, stats
 def write_telemetry(telemetry, history: list[dict], *, b_train: int, dist: Dist, run_dir: Path, gpu: bool) -> None:
     """Per-phase GPU telemetry (or why there is none) to RUN_DIR/telemetry.json. Every rank samples
     its own device; rank 0 gathers them and writes one file (its own summary at the top level,
-    every rank's under "ranks"). It prints the summary, or why there is none only when the run
+    every rank's under "ranks"), atomically; a write that fails (a full disk) is a ConfigError naming the
+    file, on every rank. It prints the summary, or why there is none only when the run
     asked for a GPU (`gpu`): a CPU run has no GPU to measure (`rlengine info` says why)."""
     steps = [r for r in history if r["update"] > 0]
     summary = telemetry.summary(responses=b_train * len(steps), tokens=sum(r.get("gen_tokens", 0) for r in steps))
     payload = {"available": summary.available, "reason": summary.reason,
                "phases": {k: dataclasses.asdict(v) for k, v in summary.phases.items()}}
     ranks = dist.all_gather_objects(json.loads(json.dumps(payload, default=str)))
-    if not dist.is_main:
-        return
-    if summary.available or gpu:
-        print(summary.format())
-    if dist.enabled:
-        payload["ranks"] = ranks
-    (run_dir / "telemetry.json").write_text(json.dumps(payload, indent=2, default=str))
+    failed = None
+    if dist.is_main:
+        if summary.available or gpu:
+            print(summary.format())
+        if dist.enabled:
+            payload["ranks"] = ranks
+        try:  # whole or not at all (a temporary file renamed): a failed write leaves the old file as it was
+            replace_lines(run_dir / "telemetry.json", [json.dumps(payload, indent=2, default=str)])
+        except ConfigError as exc:
+            failed = str(exc)
+    failed = dist.broadcast_object(failed)  # every rank ends alike: none waits for one that raised
+    if failed is not None:
+        raise ConfigError(failed)

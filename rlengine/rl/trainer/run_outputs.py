@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from rlengine.model.config import ConfigError
+from rlengine.rl.rollout.trajectories import trajectory_row
 
 
 def cannot_write(path: Path, exc: OSError) -> ConfigError:
@@ -165,13 +166,24 @@ def samples_rows(groups, advantages: list[float], tok, *, update: int, n: int) -
                          "length": len(ids), "logprob_mean": sum(lp) / max(1, len(lp)),
                          "logprob_min": min(lp, default=0.0), "finish_reason": g.finish_reasons[i],
                          "loss_weight": g.loss_weights[i] if g.loss_weights else 1.0})
+            if g.roles:  # a multi-turn trajectory: turn by turn, with roles (rollout/trajectories.py)
+                rows[-1].update(trajectory_row(g, i, tok))
             b += 1
     return rows
 
 
 def write_samples(outputs: RunOutputs, groups, batch, tok, *, update: int, n: int, dist) -> None:
-    """samples.jsonl rows of this update's responses (every rank's, gathered on rank 0)."""
+    """samples.jsonl rows of this update's responses (every rank's, gathered on rank 0); a write that
+    fails is a ConfigError on every rank."""
     advantages = [float(batch.advantages[e - 1]) for e in batch.cu_seqlens[1:]]  # a response's last token
     rows = samples_rows(groups, advantages, tok, update=update, n=n)
     rows = [r for part in dist.all_gather_objects(rows) for r in part] if dist.enabled else rows
-    outputs.samples(rows)
+    try:
+        outputs.samples(rows)
+        fault = None
+    except ConfigError as exc:  # a full disk: every rank ends on it, before the update's checkpoint
+        fault = exc
+    if dist.enabled and dist.broadcast_object(None if fault is None else str(fault)) is not None:
+        raise fault or ConfigError("rank 0 could not write samples.jsonl (its error says why)")
+    if fault is not None:
+        raise fault
