@@ -8,9 +8,13 @@ verl/trainer/ppo/core_algos.py with three modules it imports at module level but
 functions stubbed in sys.modules: ray, tensordict and codetiming (an empty module whose attributes are
 placeholders). torch and numpy are this environment's. Each estimator and loss runs on fixed random
 float64 inputs (seeded; masked observation tokens inside responses, right padding, an all-equal group,
-a tie at the top, G = 1, responses of length 1); the losses also give d loss / d log_prob. The fixture
+a tie at the top, G = 1, responses of length 1); the losses also give d loss / d log_prob. Rollout
+correction (verl/trainer/ppo/rollout_corr_helper.py: IS weights, rejection masks, off-policy metrics)
+runs on learner / engine log-probs with padding, lag and extreme ratios, and the per-token sum of
+squared probabilities (verl/utils/torch_functional.py) on tempered logits. The fixture
 (JSON, floats written with repr precision) holds the inputs, the verl settings and the outputs;
-tests/rl/test_verl_parity.py compares rlengine against it. clip_cov draws its tokens at random
+tests/rl/test_verl_parity.py, test_rollout_correction.py and test_token_baseline.py compare rlengine
+against it. clip_cov draws its tokens at random
 (torch.randperm) only among more candidates than it keeps; its cases keep every candidate, so the
 values do not depend on the draw.
 """
@@ -196,6 +200,104 @@ def run_losses(ca, ActorConfig, PolicyLossConfig, gen):
     return out
 
 
+def correction_inputs(gen):
+    """Learner and engine log-probs [B, L] with padding, a row with no trained token, observation holes,
+    policy lag (rows whose engine log-probs trail by 0.3 to 0.6 nats), rounding-size gaps and extreme
+    ratios past verl's +-20 clamp."""
+    mask = _rows([9, 6, 0, 4, 9, 1, 7, 3], {0: [(3, 5)], 6: [(2, 3)]}, 9)
+    learner = (torch.rand(mask.shape, generator=gen, dtype=torch.float64) * 0.95 + 0.02).log()
+    gap = 1e-3 * torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    gap[3] += 0.3 + 0.3 * torch.rand(9, generator=gen, dtype=torch.float64)   # lag: the engine's older policy
+    gap[4] -= 0.5 * torch.rand(9, generator=gen, dtype=torch.float64)
+    gap[1, 2], gap[6, 4], gap[7, 0] = 25.0, -23.0, 3.0                       # extreme ratios
+    return learner, learner - gap, mask
+
+
+CORRECTION_CASES = [  # (rollout_is, rollout_is_threshold, batch_normalize, rollout_rs, rollout_rs_threshold)
+    ("token", 2.0, False, None, None), ("sequence", 2.0, False, None, None),
+    ("token", "0.5_2.0", False, None, None), ("sequence", "0.2_5.0", True, None, None),
+    ("token", 1.5, True, None, None), ("sequence", 3.0, True, None, None),
+    (None, None, False, "token_k1", "0.8_1.25"), (None, None, False, "token_k1", "1.5"),
+    (None, None, False, "token_k2", "0.02"), (None, None, False, "token_k3", "0.05"),
+    (None, None, False, "seq_sum_k1", "0.5_2.0"), (None, None, False, "seq_sum_k2", "0.1"),
+    (None, None, False, "seq_sum_k3", "0.2"), (None, None, False, "seq_mean_k1", "1.2"),
+    (None, None, False, "seq_mean_k2", "0.01"), (None, None, False, "seq_mean_k3", "0.04"),
+    (None, None, False, "seq_max_k2", "0.05"), (None, None, False, "seq_max_k3", "0.1"),
+    ("token", 2.0, False, "token_k1,seq_max_k3", "0.7_1.4,0.2"),
+    ("sequence", "0.5_4.0", True, "seq_mean_k3,token_k2,seq_sum_k1", "0.08,0.3,0.4_3.0"),
+]
+
+
+def run_rollout_correction(gen):
+    """verl's compute_rollout_correction_and_rejection_mask, step by step (its last step wraps the weights
+    in a DataProto, whose tensordict is stubbed here): IS weights, rejection mask, off-policy metrics."""
+    import verl.trainer.ppo.rollout_corr_helper as rc
+    learner, engine, mask = correction_inputs(gen)
+    out = []
+    for level, is_thr, norm, rs, rs_thr in CORRECTION_CASES:
+        metrics, weights, new_mask = {}, None, mask.clone()
+        log_ratio = learner - engine
+        if level is not None:
+            weights, m = rc.compute_rollout_correction_weights(log_ratio, mask, rollout_is=level,
+                                                               rollout_is_threshold=is_thr,
+                                                               rollout_is_batch_normalize=norm)
+            metrics.update(m)
+        if rs is not None:
+            new_mask, m = rc.compute_rollout_rejection_mask(log_ratio, mask, rollout_rs=rs, rollout_rs_threshold=rs_thr)
+            metrics.update(m)
+        metrics.update(rc.compute_offpolicy_metrics(learner, engine, mask))
+        out.append({"rollout_is": level, "rollout_is_threshold": is_thr, "rollout_is_batch_normalize": norm,
+                    "rollout_rs": rs, "rollout_rs_threshold": rs_thr,
+                    "weights": None if weights is None else weights.tolist(), "mask": new_mask.tolist(),
+                    "metrics": {f"rollout_corr/{k}": float(v) for k, v in metrics.items()}})
+    return {"learner_logp": learner.tolist(), "engine_logp": engine.tolist(), "mask": mask.tolist(), "cases": out}
+
+
+def run_sum_pi_squared(gen):
+    """verl's calculate_sum_pi_squared_from_logits on tempered logits (its actor divides by the temperature
+    first): the per-token input of optimal_token_baseline, which rlengine's learner computes itself."""
+    import verl.utils.torch_functional as verl_F
+    logits = 4.0 * torch.randn(7, 33, generator=gen, dtype=torch.float64)
+    logits[2] = logits[2] * 8.0  # a peaked distribution: sum of squares near 1
+    temperature = 0.7
+    value = verl_F.calculate_sum_pi_squared_from_logits(logits.clone().div_(temperature))
+    return {"logits": logits.tolist(), "temperature": temperature, "sum_pi_squared": value.tolist()}
+
+
+def run_gdpo(ca, OmegaConf, gen):
+    """verl's gdpo on two named reward components (the reward plugin's dict keys), weighted, on right-padded
+    rows with observation holes; groups of 4 and groups of one."""
+    import numpy as np
+    out = []
+    for case, lengths, index in (("groups", [5, 3, 7, 7, 2, 6, 4, 7], [0] * 4 + [1] * 4),
+                                 ("g1", [4, 2, 6], [0, 1, 2])):
+        mask = _rows(lengths, {2: [(2, 4)]}, 8)
+        B = len(lengths)
+        comps = {"accuracy": (torch.rand(B, generator=gen) > 0.5).double(),
+                 "format": torch.rand(B, generator=gen, dtype=torch.float64)}
+        comps["accuracy"][0], comps["accuracy"][1] = 1.0, 0.0  # no all-equal group (verl leaves a residue)
+        if case == "groups":
+            comps["accuracy"][4], comps["accuracy"][5] = 1.0, 0.0
+        rewards = token_rewards(mask, comps["accuracy"] + comps["format"], gen, dense=False)
+        cfg = OmegaConf.create({"gdpo_reward_keys": ["accuracy", "format"], "gdpo_reward_weights": [1.0, 0.5],
+                                "norm_adv_by_std_in_grpo": True})
+        P = 3
+        batch = {"prompts": torch.zeros(B, P, dtype=torch.long),
+                 "attention_mask": torch.cat([torch.ones(B, P), _rows(lengths, {}, 8)], dim=1).long()}
+        adv, _ = ca.compute_gdpo_outcome_advantage(
+            token_level_rewards=rewards, response_mask=mask, index=np.array(index), norm_adv_by_std_in_grpo=True,
+            config=cfg, non_tensor_batch={k: v.numpy() for k, v in comps.items()}, batch=batch)
+        out.append({"estimator": "gdpo", "case": case, "mask": mask.tolist(), "index": index,
+                    "components": {k: v.tolist() for k, v in comps.items()}, "keys": ["accuracy", "format"],
+                    "weights": [1.0, 0.5], "advantages": adv.tolist()})
+        if case == "groups":  # no component keys: verl falls back to the token rewards as the one component
+            adv, _ = ca.compute_gdpo_outcome_advantage(token_level_rewards=rewards, response_mask=mask,
+                                                       index=np.array(index), norm_adv_by_std_in_grpo=True)
+            out.append({"estimator": "gdpo", "case": "fallback", "mask": mask.tolist(), "index": index,
+                        "rewards": rewards.tolist(), "keys": [], "weights": [], "advantages": adv.tolist()})
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="tests/rl/fixtures/verl_core_algos.json")
@@ -206,11 +308,13 @@ def main():
     gen = torch.Generator().manual_seed(20250911)
     fixture = {"verl": VERL, "stubbed_modules": list(STUBBED), "torch": torch.__version__,
                "estimators": run_estimators(ca, OmegaConf, gen),
-               "losses": run_losses(ca, ActorConfig, PolicyLossConfig, gen)}
+               "losses": run_losses(ca, ActorConfig, PolicyLossConfig, gen),
+               "rollout_correction": run_rollout_correction(gen), "sum_pi_squared": run_sum_pi_squared(gen),
+               "gdpo": run_gdpo(ca, OmegaConf, gen)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(fixture, indent=None, separators=(",", ":")) + "\n")
-    print(f"{args.out}: {len(fixture['estimators'])} estimator cases, {len(fixture['losses'])} loss cases "
-          f"from {VERL}")
+    print(f"{args.out}: {len(fixture['estimators'])} estimator cases, {len(fixture['losses'])} loss cases, "
+          f"{len(fixture['rollout_correction']['cases'])} rollout correction cases from {VERL}")
 
 
 if __name__ == "__main__":

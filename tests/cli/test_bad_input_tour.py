@@ -102,6 +102,14 @@ CASES = [
     ("unknown-algo", ["train", "--train.algo", "dpo"], "train.algo", None),
     ("unknown-estimator", ["train", "--train.adv_estimator", "nope"], "train.adv_estimator", None),
     ("unknown-policy-loss", ["train", "--train.policy_loss", "nope"], "train.policy_loss", None),
+    ("unknown-rejection-criterion", ["train", "--train.rollout_rs", "token_k9", "--train.rollout_rs_threshold", "2"],
+     "unknown rollout rejection criterion 'token_k9'", None),
+    ("rollout-is-threshold-unparseable", ["train", "--train.rollout_is", "token", "--train.rollout_is_threshold",
+                                          "0.5-2"], "train.rollout_is_threshold", None),
+    ("rollout-is-threshold-lower-above-upper", ["train", "--train.rollout_is", "token",
+                                                "--train.rollout_is_threshold", "3:2"], "lower 3.0 > upper 2.0", None),
+    ("rollout-rs-threshold-lower-above-upper", ["train", "--train.rollout_rs", "seq_sum_k1",
+                                                "--train.rollout_rs_threshold", "2:0.5"], "lower 2.0 > upper 0.5", None),
     ("ppo-option-on-grpo", ["train", "--train.critic_warmup", "3"], "train.critic_warmup", None),
     ("temperature-zero", ["train", "--gen.temperature", "0"], "gen.temperature", None),
     ("top-p-above-one", ["train", "--gen.top_p", "1.5"], "gen.top_p", None),
@@ -121,6 +129,14 @@ CASES = [
     ("int-field-given-text", ["train", "--train.updates", "many"], "train.updates", None),
     ("generate-negative-temperature", ["generate", "--prompt", "hi", "--temperature", "-1"], "temperature", None),
     ("info-plan-missing-file", ["info", "--plan", "{missing}"], "missing", None),
+    # multi-turn environments and tools
+    ("env-plugin-that-does-not-import", ["train", "--env.name", "no_such_env_mod:Env"], "no_such_env_mod", None),
+    ("unknown-env", ["train", "--env.name", "chess"], "unknown environment 'chess'", None),
+    ("tool-plugin-that-does-not-import", ["train", "--env.name", "tools", "--env.tools", "no_such_tool_mod:fn"],
+     "no_such_tool_mod", None),
+    ("tool-schema-that-does-not-parse", ["train", "--env.name", "tools", "--env.tools",
+                                         "tests.rl.test_tools_env:bad_schema_tool"], "schema is not JSON", None),
+    ("unknown-tool", ["train", "--env.name", "tools", "--env.tools", "calculator"], "unknown tool", None),
 ]
 
 

@@ -1,7 +1,9 @@
 """RL math against numbers worked out by hand (in the comments), not against the code itself.
 
 Covers rlengine.rl.algo.advantages (GRPO, GAE) and rlengine.rl.algo.losses (clipped policy loss with
-asymmetric clipping, token-mean vs seq-mean, the micro-batch normalizer, k3 KL, value clipping).
+asymmetric clipping, token-mean vs seq-mean, the micro-batch normalizer, k3 KL, value clipping), and
+that every registered loss, clip_cov / kl_cov included (their tokens picked once over the whole batch),
+gives the whole batch's gradient from micro-batches, in the loss functions and in the Learner.
 """
 
 import itertools
@@ -122,28 +124,34 @@ def _packed_batch(lengths, prompt_lens, seed):
             "seq_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])}
 
 
-def _losses(theta, v_head, b, sl, agg, tok_norm, seq_norm, loss="vanilla"):
+def _logp(theta, b, sl):
+    return torch.log_softmax(b["x"][sl] @ theta, dim=-1).gather(1, b["targets"][sl, None]).squeeze(1)
+
+
+# options under which clip_cov and kl_cov pick several tokens of this batch
+LOSS_OPTIONS = {"dro": {"dro_beta": 0.3}, "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0},
+                "kl_cov": {"kl_cov_ratio": 0.2}}
+
+
+def _losses(theta, v_head, b, sl, agg, tok_norm, seq_norm, loss="vanilla", selected=None):
     """Policy (registry loss `loss`) + value loss of the sequences in slice `sl`, with seq_ids re-based to
-    the micro-batch. A loss with its own aggregation (PolicyLoss.agg) gets that aggregation's count."""
+    the micro-batch. A loss with its own aggregation (PolicyLoss.agg) gets that aggregation's count; a
+    loss that picks tokens (PolicyLoss.select) gets `selected` [T] (the whole batch's pick) sliced."""
     x, mask, seq_ids = b["x"][sl], b["mask"][sl], b["seq_ids"][sl] - b["seq_ids"][sl][0]
-    logp = torch.log_softmax(x @ theta, dim=-1).gather(1, b["targets"][sl, None]).squeeze(1)
+    logp = _logp(theta, b, sl)
     norm = tok_norm if agg == "token-mean" else seq_norm
     entry = POLICY_LOSSES[loss]
     pg_agg = entry.agg or agg
     pg_norm = None if tok_norm is None else (tok_norm if pg_agg == "token-mean" else seq_norm)
-    opts = {"dro_beta": 0.3} if loss == "dro" else {}
+    opts = dict(LOSS_OPTIONS.get(loss, {}))
+    if selected is not None:
+        opts["selected"] = selected[sl]
     pl, _ = entry.fn(logp, b["old"][sl], b["adv"][sl], mask, seq_ids, agg=pg_agg, normalizer=pg_norm, **opts)
     vl, _ = value_loss(x @ v_head, b["old_v"][sl], b["returns"][sl], mask, seq_ids, agg=agg, normalizer=norm)
     return pl + vl
 
 
-# clip_cov / kl_cov pick their tokens by a covariance over the tokens of one call, as verl does (one
-# micro-batch): their update depends on the split, which this test must show (strict xfail).
-_PER_CALL = pytest.mark.xfail(strict=True, reason="token selection per micro-batch, as in verl")
-
-
-@pytest.mark.parametrize("loss", [pytest.param(n, marks=_PER_CALL) if n in ("clip_cov", "kl_cov") else n
-                                  for n in POLICY_LOSSES])
+@pytest.mark.parametrize("loss", list(POLICY_LOSSES))
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean"])
 def test_micro_batches_sum_to_full_batch_gradient(agg, loss):
     # Six sequences of different lengths (and prompt lengths) split 2 / 3 / 1 into micro-batches.
@@ -152,14 +160,24 @@ def test_micro_batches_sum_to_full_batch_gradient(agg, loss):
     theta = torch.randn(4, 5, generator=torch.Generator().manual_seed(1), requires_grad=True)
     v_head = torch.randn(4, generator=torch.Generator().manual_seed(2), requires_grad=True)
     tok_norm, seq_norm = b["mask"].sum(), len(lengths)
+    everything = slice(0, sum(lengths))
+    bounds = [0, 3 + 7, 3 + 7 + 1 + 12 + 5, sum(lengths)]
+    select, selected = POLICY_LOSSES[loss].select, None
+    if select is not None:  # clip_cov, kl_cov: the learner's pick, once over the whole batch (Learner.prepare)
+        opts = LOSS_OPTIONS[loss]
+        with torch.no_grad():
+            selected = select(_logp(theta, b, everything), b["old"], b["adv"], b["mask"], **opts)
+            per_call = torch.cat([select(_logp(theta, b, slice(lo, hi)), b["old"][lo:hi], b["adv"][lo:hi],
+                                         b["mask"][lo:hi], **opts) for lo, hi in itertools.pairwise(bounds)])
+        # several tokens, and not those verl's per-micro-batch pick would take: the split would matter
+        assert int(selected.sum()) >= 2 and not torch.equal(per_call, selected)
 
-    full = _losses(theta, v_head, b, slice(0, sum(lengths)), agg, None, None, loss)
+    full = _losses(theta, v_head, b, everything, agg, None, None, loss, selected)
     full_grads = torch.autograd.grad(full, (theta, v_head))
 
-    bounds = [0, 3 + 7, 3 + 7 + 1 + 12 + 5, sum(lengths)]
     micro_total = 0.0
     for lo, hi in itertools.pairwise(bounds):
-        micro = _losses(theta, v_head, b, slice(lo, hi), agg, tok_norm, seq_norm, loss)
+        micro = _losses(theta, v_head, b, slice(lo, hi), agg, tok_norm, seq_norm, loss, selected)
         micro.backward()
         micro_total = micro_total + micro.detach()
     _close(micro_total, full.detach(), atol=1e-6)
@@ -224,3 +242,27 @@ def test_value_loss_clipping():
     loss.backward()
     _close(v.grad, [0.0, 1.1 / 4, 0.0, -1.5 / 4, 0.0])
     _close(metrics["vf_clip_frac"], 0.5)
+
+
+@pytest.mark.parametrize("loss,opts", [("clip_cov", {"clip_cov_ratio": 1.0, "clip_cov_lb": 0.0}),
+                                       ("kl_cov", {"kl_cov_ratio": 0.2})])
+def test_learner_picks_cov_tokens_once_so_micro_batches_give_the_whole_batch_update(loss, opts):
+    """Learner.prepare picks clip_cov's / kl_cov's tokens over the whole batch: micro_batch = 2 gives the
+    whole batch's gradient (fp32 through the tiny model: 1e-5), and the pick is several tokens."""
+    import copy
+
+    from rlengine.rl.config import TrainSection
+    from rlengine.rl.learner.batching import grpo_batch
+    from rlengine.rl.learner.learner import Learner
+    from tests.rl.test_update_passes import _setup
+
+    model, groups = _setup(seed=5)
+    batch = grpo_batch(groups, normalize_std=True)
+    grads = []
+    for micro in (0, 2):
+        learner = Learner(copy.deepcopy(model), TrainSection(prompts_per_step=3, group_size=3, policy_loss=loss,
+                                                             micro_batch=micro, **opts))
+        learner.compute_grads(b := copy.deepcopy(batch))
+        assert 2 <= int(b.token_select.sum()) < int((b.loss_mask > 0).sum())
+        grads.append(torch.cat([p.grad.flatten() for p in learner.model.parameters()]))
+    assert (grads[0] - grads[1]).norm() <= 1e-5 * grads[0].norm()

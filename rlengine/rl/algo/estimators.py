@@ -164,3 +164,38 @@ def optimal_token_baseline(rewards_BT: Tensor, mask_BT: Tensor, index_B, opts=No
             if at_max.numel() == 1 and longest > second:
                 base[rows[at_max[0]], second:] = 0.0
     return (returns - base) * m
+
+
+def gdpo(rewards_BT: Tensor, mask_BT: Tensor, index_B, opts, *, components_B: dict[str, Tensor] | None = None,
+         eps: float = 1e-6) -> Tensor:
+    """GDPO (group reward-decoupled normalisation, arXiv 2601.05242): each named reward component
+    (train.gdpo_reward_keys, from a reward plugin returning a dict) normalised within its group on its
+    own, (c - mean) / (std + eps) (unbiased std; centred only without train.normalize_std; a group of
+    one: mean 0, std 1), summed with train.gdpo_reward_weights (default 1 each), then whitened over the
+    batch's model tokens. components_B: key -> [B] per-response values. No keys: the reward itself is
+    the one component (verl's fallback: GRPO, then the whitening)."""
+    keys = tuple(getattr(opts, "gdpo_reward_keys", ()))
+    m = _float(mask_BT)
+    if keys:
+        components_B = components_B or {}
+        missing = [k for k in keys if k not in components_B]
+        if missing:
+            raise ValueError(f"gdpo: reward component(s) {missing} not returned by the reward function (a dict "
+                             f"holding them); it returned {sorted(components_B)}")
+        # verl reads each component as float32 and takes its group statistics in float32: kept
+        scores = [torch.as_tensor(components_B[k]).to(device=m.device, dtype=torch.float32) for k in keys]
+    else:
+        scores = [_float(rewards_BT).sum(dim=1)]
+    weights = tuple(getattr(opts, "gdpo_reward_weights", ())) or (1.0,) * len(scores)
+    normalize = getattr(opts, "normalize_std", True)
+    total = torch.zeros(m.shape[0], dtype=m.dtype, device=m.device)
+    for c, w in zip(scores, weights):
+        norm = torch.zeros_like(c)
+        for rows in _groups(index_B):
+            s = c[rows.to(c.device)]
+            if len(rows) == 1:  # verl's mean 0, std 1 (so the eps still divides)
+                norm[rows] = s / (torch.ones((), dtype=c.dtype, device=c.device) + eps) if normalize else s
+            elif not bool((s == s[0]).all()):  # an all-equal group: exact zeros (verl: a residue)
+                norm[rows] = (s - s.mean()) / (s.std() + eps) if normalize else s - s.mean()
+        total = total + torch.tensor(w, dtype=torch.float32).item() * norm.to(m.dtype)
+    return masked_whiten(total[:, None] * m, m) * m

@@ -16,9 +16,12 @@ Signatures. An outcome estimator (critic=False) maps [P, G] fp32 rewards and the
 maps one group's per-token credits to per-token advantages (train.credit = "token"). An estimator
 that needs per-token rewards or the response mask (response lengths, discounted returns, whitening
 over tokens) has fn = None and a token_level_fn(rewards_BT, mask_BT, index_B, opts) -> [B, T]
-(estimators.py). A critic estimator's fn is GAE-shaped (rewards_BT, values_BT, mask_BT, *, gamma, lam)
+(estimators.py); with `components` it also gets the named reward components (gdpo), with `needs` the
+learner calls it in Learner.prepare with inputs of its own pre-update pass (optimal_token_baseline's
+sum of squared probabilities). A critic estimator's fn is GAE-shaped (rewards_BT, values_BT, mask_BT, *, gamma, lam)
 and runs in the learner, which owns the values. A policy loss has losses.policy_loss's signature plus
-the keywords named in its `options` (train.* fields under verl's names).
+the keywords named in its `options` (train.* fields under verl's names); a loss with `select` (clip_cov,
+kl_cov) gets the tokens it treats apart as `selected`, picked once over the whole batch.
 
 Beyond grpo and gae, the estimators and losses carry verl 0.9.1's names and definitions
 (core_algos.py; tests/rl/test_verl_parity.py checks them against values verl computed). train.algo
@@ -49,7 +52,10 @@ class Estimator:
     token_fn: Callable | None = None  # per-token credit: fn(credits_G, opts) -> [G][len]; None: sequence only
     # token-level: fn(rewards_BT, mask_BT, index_B, opts) -> [B, T] over right-aligned response rows
     token_level_fn: Callable | None = None
-    needs: tuple[str, ...] = ()     # per-token rollout inputs beyond rewards and mask (rlengine records none yet)
+    # per-token inputs beyond rewards and mask; the learner computes the advantages (token_level_fn with
+    # old_logp_BT and sum_pi_squared_BT) in Learner.prepare, from its pre-update pass
+    needs: tuple[str, ...] = ()
+    components: bool = False        # token-level fn also takes components_B: the named reward components (gdpo)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,9 @@ class PolicyLoss:
     fn: Callable
     options: tuple[str, ...] = ()   # train.* fields the learner passes as keywords (verl's names)
     agg: str | None = None          # the aggregation the loss always uses (its normaliser); None = train.agg
+    # select(logp, old_logp, adv, mask, **the loss's keywords) -> [T] bool: tokens the loss treats apart,
+    # picked once over the whole update batch by the learner and passed to fn as `selected` (cov_losses.py)
+    select: Callable | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,24 +100,28 @@ class Algorithm:
 
 
 ESTIMATORS: dict[str, Estimator] = {}
+# per-token inputs the learner's pre-update pass computes for an estimator (learner/token_baseline.py)
+LEARNER_SUPPLIES = {"sum_pi_squared"}
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 ALGORITHMS: dict[str, Algorithm] = {}
 
 
 def register_estimator(name: str, *, critic: bool = False, group_relative: bool = True,
-                       token_fn: Callable | None = None, token_level: bool = False, needs: tuple[str, ...] = ()):
+                       token_fn: Callable | None = None, token_level: bool = False, needs: tuple[str, ...] = (),
+                       components: bool = False):
     """Decorator: register fn as the advantage estimator `name` (token_level: fn is a token_level_fn)."""
     def add(fn):
         ESTIMATORS[name] = Estimator(name, None if token_level else fn, critic, group_relative and not critic,
-                                     token_fn, fn if token_level else None, needs)
+                                     token_fn, fn if token_level else None, needs, components)
         return fn
     return add
 
 
-def register_policy_loss(name: str, *, options: tuple[str, ...] = (), agg: str | None = None):
+def register_policy_loss(name: str, *, options: tuple[str, ...] = (), agg: str | None = None,
+                         select: Callable | None = None):
     """Decorator: register fn as the policy loss `name`, reading train.<option> for each of `options`."""
     def add(fn):
-        POLICY_LOSSES[name] = PolicyLoss(name, fn, options, agg)
+        POLICY_LOSSES[name] = PolicyLoss(name, fn, options, agg, select)
         return fn
     return add
 
@@ -134,7 +147,7 @@ def combination(name: str, adv_estimator: str = "", policy_loss: str = "") -> Al
     """train.algo `name` with train.adv_estimator / train.policy_loss overriding its parts ("" = its own).
     ConfigError naming the field for an unknown name or a pairing that cannot run: an estimator whose
     need for a critic differs from the algorithm's (train.algo decides whether a critic trains), or
-    one that needs per-token rollout inputs rlengine does not record."""
+    one that needs per-token inputs the learner does not compute (LEARNER_SUPPLIES)."""
     base = algorithm(name)
     est, loss = adv_estimator or base.estimator_name, policy_loss or base.loss_name
     if est not in ESTIMATORS:
@@ -148,9 +161,9 @@ def combination(name: str, adv_estimator: str = "", policy_loss: str = "") -> Al
     if base.critic and not e.critic:
         raise ConfigError(f"train.adv_estimator = {est!r} takes no critic, but train.algo = {name!r} trains one "
                           f"for {base.estimator_name!r}; use train.algo = 'grpo' with train.adv_estimator = {est!r}")
-    if e.needs:
+    if set(e.needs) - LEARNER_SUPPLIES:
         raise ConfigError(f"train.adv_estimator = {est!r} needs per-token {', '.join(e.needs)} from the rollout, "
-                          "which rlengine's engine does not record")
+                          "which rlengine does not record")
     if (est, loss) == (base.estimator_name, base.loss_name):
         return base
     critic = " + critic" if base.critic else ", no critic"
@@ -186,6 +199,7 @@ register_estimator("gpg")(estimators.gpg)
 register_estimator("opo", token_level=True)(estimators.opo)
 register_estimator("reinforce_plus_plus_baseline", token_level=True)(estimators.reinforce_plus_plus_baseline)
 register_estimator("reinforce_plus_plus", token_level=True, group_relative=False)(estimators.reinforce_plus_plus)
+register_estimator("gdpo", token_level=True, components=True)(estimators.gdpo)
 register_estimator("optimal_token_baseline", token_level=True,
                    needs=("sum_pi_squared",))(estimators.optimal_token_baseline)
 register_policy_loss("gspo")(policy_losses.gspo)
@@ -197,5 +211,6 @@ register_policy_loss("gpg")(policy_losses.gpg)
 register_policy_loss("dro", options=("dro_beta",))(policy_losses.dro)
 register_policy_loss("dppo_tv")(policy_losses.dppo_tv)
 register_policy_loss("dppo_kl")(policy_losses.dppo_kl)
-register_policy_loss("clip_cov", options=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))(cov_losses.clip_cov)
-register_policy_loss("kl_cov", options=("kl_cov_ratio", "ppo_kl_coef"))(cov_losses.kl_cov)
+register_policy_loss("clip_cov", options=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+                     select=cov_losses.clip_cov_select)(cov_losses.clip_cov)
+register_policy_loss("kl_cov", options=("kl_cov_ratio", "ppo_kl_coef"), select=cov_losses.kl_cov_select)(cov_losses.kl_cov)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from rlengine.model.config import ConfigError
 from rlengine.rl.algo.registry import POLICY_LOSSES
+from rlengine.rl.algo.rollout_is import parse_threshold
+from rlengine.rl.algo.rollout_rs import parse_criteria
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 AGGREGATIONS = ("token-mean", "seq-mean", "seq-mean-token-sum-norm")
@@ -43,6 +45,12 @@ class UpdateOptions:
     adv_whiten: str = "none"             # none | batch: GRPO advantages whitened over the batch's tokens
     rollout_is: str = "none"             # none | token | sequence: truncated IS weights learner_old / engine
     rollout_is_cap: float = 2.0          # truncation of the rollout IS weights
+    # verl's threshold specification, overriding the cap: "U" truncates at U (TIS), "L:U" (or "L_U") zeroes
+    # weights outside [L, U] (IcePop); "" = rollout_is_cap as the upper bound
+    rollout_is_threshold: str = ""
+    rollout_is_batch_normalize: bool = False  # divide the IS weights by their batch mean (tokens or sequences)
+    rollout_rs: str = ""                 # rejection criteria, comma-chained (token_k1, seq_sum_k3, ...); "" = none
+    rollout_rs_threshold: str = ""       # one threshold, or one per criterion ("L:U" for k1 criteria)
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward
     ref_offload: bool = False            # KL reference's decoder layers on the host, streamed per layer
     # The algorithm's parts (rl/algo/registry.py, verl's names): "" = train.algo's own
@@ -57,6 +65,10 @@ class UpdateOptions:
     kl_cov_ratio: float = 0.0002         # kl_cov: fraction of tokens (top covariance) given the |log r| penalty
     ppo_kl_coef: float = 0.1             # kl_cov: that penalty's coefficient
     dro_beta: float | None = None        # dro: the quadratic log-ratio penalty (> 0, required with dro)
+    # gdpo: the reward components (keys of a dict-returning reward) it normalises, and their weights;
+    # no keys: the reward itself is the one component (verl's fallback)
+    gdpo_reward_keys: tuple[str, ...] = ()
+    gdpo_reward_weights: tuple[float, ...] = ()  # () = 1 each
 
     def check_update_options(self, *, algo, parallel: str, credit: str, b_train: int) -> None:
         """Validate the fields above (TrainSection.__post_init__ calls this); raises ConfigError."""
@@ -79,13 +91,38 @@ class UpdateOptions:
         _check(self.rollout_is in ("none", "token", "sequence"),
                f"train.rollout_is must be none|token|sequence, got {self.rollout_is!r}")
         _check(self.rollout_is_cap >= 1.0, f"train.rollout_is_cap must be >= 1, got {self.rollout_is_cap}")
+        self._check_rollout_correction()
         self._check_loss_options(algo)
+        gdpo = algo.estimator.components
+        _check(gdpo or not (self.gdpo_reward_keys or self.gdpo_reward_weights),
+               "train.gdpo_reward_keys / train.gdpo_reward_weights are options of train.adv_estimator = 'gdpo'")
+        _check(len(self.gdpo_reward_weights) in (0, len(self.gdpo_reward_keys)),
+               f"train.gdpo_reward_weights must be empty or one per key of train.gdpo_reward_keys "
+               f"({len(self.gdpo_reward_keys)}), got {len(self.gdpo_reward_weights)}")
         _check(not (self.kl_in_reward and algo.estimator.fn is None and not algo.critic),
                f"train.kl_in_reward folds the KL into [P, G] scores; train.adv_estimator = {algo.estimator_name!r} "
                "works on token rewards (leave kl_in_reward false)")
         _check(not (self.ref_offload and parallel == "fsdp"),
                "train.ref_offload streams a whole reference per layer; with train.parallel = 'fsdp' the reference "
                "is sharded instead (leave ref_offload false)")
+
+    def _check_rollout_correction(self) -> None:
+        """The rollout correction's specifications parse (rl/algo/rollout_correction.py) and fit together."""
+        _check(not (self.rollout_is_threshold and self.rollout_is_cap != 2.0),
+               "train.rollout_is_threshold and train.rollout_is_cap both set the IS weights' upper bound; set one")
+        _check(not self.rollout_is_batch_normalize or self.rollout_is != "none",
+               "train.rollout_is_batch_normalize needs train.rollout_is = token | sequence")
+        _check(bool(self.rollout_rs) == bool(self.rollout_rs_threshold),
+               "train.rollout_rs and train.rollout_rs_threshold go together (criteria and their thresholds)")
+        try:
+            parse_threshold(self.rollout_is_threshold or self.rollout_is_cap)
+        except ValueError as e:
+            raise ConfigError(f"train.rollout_is_threshold: {e}") from None
+        try:
+            if self.rollout_rs:
+                parse_criteria(self.rollout_rs, self.rollout_rs_threshold)
+        except ValueError as e:
+            raise ConfigError(f"train.rollout_rs: {e}") from None
 
     def _check_loss_options(self, algo) -> None:
         """The selected loss's options in range; another loss's options at their defaults."""

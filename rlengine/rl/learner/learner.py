@@ -25,6 +25,7 @@ import torch
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.algo.losses import kl_penalty, masked_aggregate
 from rlengine.rl.algo.optim import LearnerOptimizer, use_master_weights
+from rlengine.rl.algo.rollout_correction import CorrectionSpec
 from rlengine.rl.algo.rollout_is import rollout_is_weights
 from rlengine.rl.algo.value import explained_variance, explained_variance_sums
 from rlengine.plan.specs import LearnerSpec
@@ -36,7 +37,9 @@ from rlengine.rl.learner.logprobs import processed_token_logprobs, token_logprob
 from rlengine.rl.learner.critic import Critic
 from rlengine.rl.learner.parallel import no_sync, parallel_mode, parallelize
 from rlengine.rl.learner.reference import KLReference
-from rlengine.rl.learner.update import combine_passes, grpo_kl_advantages, rollout_is_stats, whiten
+from rlengine.rl.learner.token_baseline import SumPiSquaredTap, token_baseline_advantages
+from rlengine.rl.learner.update import (combine_passes, grpo_kl_advantages, packed_correction, rollout_is_stats,
+                                        whiten)
 from rlengine.telemetry.nvtx import PhaseRanges
 
 __all__ = ["Learner", "token_logprobs", "processed_token_logprobs"]  # the log-prob functions: re-exported
@@ -64,6 +67,7 @@ class Learner:
         # the estimator, the policy loss, whether a critic trains: train.algo with train.adv_estimator /
         # train.policy_loss applied (TrainSection.algorithm)
         self.algo = cfg.algorithm
+        self.correction = CorrectionSpec.from_options(cfg)  # train.rollout_is* / rollout_rs*, parsed once
         self.masters = use_master_weights(cfg.master_weights, model.dtype)
         self.value = Critic(model, options=cfg) if self.algo.critic else None
         self.parallel = parallel_mode(cfg.parallel, self.dist)
@@ -124,28 +128,38 @@ class Learner:
         return self.value.advantages(batch, kl_T, self.dist)
 
     @torch.no_grad()
-    def batch_logprobs(self, module, batch: TrainBatch) -> torch.Tensor:
+    def batch_logprobs(self, module, batch: TrainBatch, *, sum_pi_squared: bool = False):
         """No-grad log-probs [T] of batch.targets under `module`, micro-batch by micro-batch (every rank
-        runs the same number of forwards, as in the passes)."""
-        parts = [self.token_logprobs(module, mb)[0] for mb in self._micro_batches(batch) if mb is not None]
+        runs the same number of forwards, as in the passes); with sum_pi_squared, (log-probs [T],
+        sum_v pi_v^2 [T]) from the same forwards (learner/token_baseline.py)."""
+        pi2: list = []
+        fwd = SumPiSquaredTap(module, self.temperature, pi2) if sum_pi_squared else module
+        parts = [self.token_logprobs(fwd, mb)[0] for mb in self._micro_batches(batch) if mb is not None]
         self.steps += [("forward", int(mb.input_ids.numel())) for mb in self._micro_batches(batch) if mb is not None]
         for _ in range(len(self._micro_batches(batch)) - len(parts)):  # fillers: the collectives line up
             self.token_logprobs(module, TrainBatch.filler(self.model.device))
-        return torch.cat(parts) if parts else batch.old_logprobs.new_zeros(0)
+        logp = torch.cat(parts) if parts else batch.old_logprobs.new_zeros(0)
+        return (logp, torch.cat(pi2) if pi2 else logp.clone()) if sum_pi_squared else logp
 
     @torch.no_grad()
     def prepare(self, batch: TrainBatch, *, critic_only: bool = False) -> dict:
-        """What every pass over `batch` shares, computed once: the learner's own pre-update log-probs and
-        the truncated rollout IS weights (train.rollout_is), the KL folded into the reward
-        (train.kl_in_reward), PPO's values, returns and GAE advantages, GRPO's batch whitening
-        (train.adv_whiten). Writes them into `batch`; returns their GLOBAL statistics."""
+        """What every pass over `batch` shares, computed once: the learner's own pre-update log-probs with
+        the rollout correction (train.rollout_is*: IS weights; train.rollout_rs*: rejected tokens leave the
+        loss mask), the KL folded into the reward (train.kl_in_reward), PPO's values, returns and GAE
+        advantages, GRPO's batch whitening (train.adv_whiten), the loss's token pick (clip_cov, kl_cov).
+        Writes them into `batch`; returns their GLOBAL statistics."""
         cfg, stats = self.cfg, {}
+        token_baseline = bool(self.algo.estimator.needs) and not critic_only  # optimal_token_baseline
+        if (self.correction.enabled or token_baseline) and not critic_only:
+            out = self.batch_logprobs(self.actor_fwd, batch, sum_pi_squared=token_baseline)
+            batch.learner_old_logprobs, pi2 = out if token_baseline else (out, None)
+        if self.correction.enabled and not critic_only:
+            stats.update(self._correct(batch))
+        if token_baseline:
+            batch.advantages = token_baseline_advantages(batch, self.algo.estimator, cfg, group_size=self.spec.group_size,
+                                                         learner_old_T=batch.learner_old_logprobs, sum_pi2_T=pi2,
+                                                         is_weights_T=batch.is_weights)
         valid = batch.loss_mask > 0
-        if cfg.rollout_is != "none" and not critic_only:
-            batch.learner_old_logprobs = self.batch_logprobs(self.actor_fwd, batch)
-            batch.is_weights, raw = rollout_is_weights(batch.learner_old_logprobs, batch.old_logprobs, batch.loss_mask,
-                                                       batch.seq_ids, level=cfg.rollout_is, cap=cfg.rollout_is_cap)
-            stats.update(rollout_is_stats(raw, valid, cfg.rollout_is_cap, self.dist))
         kl_T = None
         if cfg.kl_in_reward:
             old = batch.old_logprobs if batch.learner_old_logprobs is None else batch.learner_old_logprobs
@@ -159,7 +173,38 @@ class Learner:
                                                   estimator=self.algo.estimator, opts=cfg)
         if cfg.adv_whiten == "batch":
             batch.advantages = whiten(batch.advantages, valid, self.dist)
+        if self.algo.loss.select is not None and not critic_only:
+            self._select_tokens(batch)
         return stats
+
+    def _correct(self, batch: TrainBatch) -> dict:
+        """Rollout correction (train.rollout_is*, train.rollout_rs*) against the learner's pre-update log-probs:
+        the IS weights on the loss, rejected tokens out of the loss mask; the statistics under rlengine's
+        names (rollout_is_mean / _max / _capped_frac of the untruncated weights) and verl's (rollout_corr/*)."""
+        spec, valid, stats = self.correction, batch.loss_mask > 0, {}
+        if spec.level is not None:
+            _, raw = rollout_is_weights(batch.learner_old_logprobs, batch.old_logprobs, batch.loss_mask, batch.seq_ids,
+                                        level=spec.level, cap=max(spec.upper, 1.0))
+            stats.update(rollout_is_stats(raw, valid, spec.upper, self.dist))
+        weights, batch.loss_mask, corr = packed_correction(batch, batch.learner_old_logprobs, spec, self.dist)
+        if spec.level is not None:
+            batch.is_weights = torch.ones_like(batch.loss_mask) if weights is None else weights
+        return {**stats, **corr}
+
+    def _select_tokens(self, batch: TrainBatch) -> None:
+        """The loss's token pick (clip_cov, kl_cov: PolicyLoss.select) over the whole batch, once, from the
+        pre-update log-probs against the ratio's denominator: the same pick for any micro-batch split (the
+        later passes of train.ppo_epochs / mini_batches keep it). Over this rank's share with several ranks."""
+        cur = batch.learner_old_logprobs
+        cur = self.batch_logprobs(self.actor_fwd, batch) if cur is None else cur
+        old = batch.old_logprobs if batch.learner_old_logprobs is None else batch.learner_old_logprobs
+        batch.token_select = self.algo.loss.select(cur, old, batch.advantages, batch.loss_mask, **self._loss_options())
+
+    def _loss_options(self) -> dict:
+        """The policy loss's keywords from train.*: the clip range and the loss's own options (verl's names)."""
+        cfg = self.cfg
+        return dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
+                    **{k: getattr(cfg, k) for k in self.algo.loss.options})
 
     # ---- one gradient pass ---------------------------------------------------------------------
     def _global_counts(self, batch: TrainBatch, agg: str) -> tuple[float, float]:
@@ -264,10 +309,9 @@ class Learner:
         # the ratio's denominator: the learner's own pre-update log-probs when prepare() made them (rollout
         # IS), else the engine's behaviour log-probs (one pass: ratio = 1 up to the engine-learner gap)
         old = mb.old_logprobs if mb.learner_old_logprobs is None else mb.learner_old_logprobs
-        own = {k: getattr(cfg, k) for k in self.algo.loss.options}  # the loss's options (verl's names)
-        pl, m = self.algo.loss.fn(logp, old, mb.advantages, mb.loss_mask, mb.seq_ids, clip_low=cfg.clip_low,
-                                  clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c, weights=mb.is_weights,
-                                  **{**agg, "agg": pg_agg[0], "normalizer": pg_agg[1]}, **own)
+        sel = {} if self.algo.loss.select is None else {"selected": mb.token_select}  # picked in prepare()
+        pl, m = self.algo.loss.fn(logp, old, mb.advantages, mb.loss_mask, mb.seq_ids, weights=mb.is_weights,
+                                  **{**agg, "agg": pg_agg[0], "normalizer": pg_agg[1]}, **self._loss_options(), **sel)
         loss = pl
         sums.pg_loss += float(pl.detach())
         if cfg.entropy_coef:

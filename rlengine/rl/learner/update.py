@@ -1,5 +1,5 @@
 """The arithmetic around the learner's gradient passes: GAE on packed responses, batch whitening, KL in
-the reward, rollout IS statistics, pass metrics.
+the reward, rollout correction of a packed batch and its statistics, pass metrics.
 
 Learner.prepare runs once per rollout batch before any pass: PPO's GAE (in the learner, it needs the
 critic), then the pieces here that rewrite the batch's advantages (GRPO scores with the KL penalty
@@ -15,6 +15,7 @@ import math
 import torch
 
 from rlengine.rl.algo.advantages import gae
+from rlengine.rl.algo.rollout_correction import CorrectionSpec, rollout_correction
 from rlengine.rl.distributed import Dist
 from rlengine.rl.learner.batching import TrainBatch
 
@@ -32,24 +33,27 @@ def packed_gae(batch: TrainBatch, values_T: torch.Tensor, kl_T: torch.Tensor | N
                kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (advantages [T], returns [T]) of PPO's packed responses, 0 off the trained positions.
 
-    A response's trained positions are the last n of its packed segment; the outcome reward sits on
-    its last token, and with kl_T (train.kl_in_reward) every token's reward also gets -kl_coef * kl_t.
+    A response's trained positions are those its loss mask keeps (the last n of its packed segment; in a
+    multi-turn trajectory its model tokens, observation tokens skipped as verl's multi-turn GAE skips them:
+    the recursion runs over the model tokens alone); the outcome reward sits on its last trained token,
+    and with kl_T (train.kl_in_reward) every token's reward also gets -kl_coef * kl_t.
     """
     segs = list(zip(batch.cu_seqlens, batch.cu_seqlens[1:]))
-    lens = [int(batch.loss_mask[a:e].sum()) for a, e in segs]
-    B, L = len(segs), max(lens, default=0)
+    pos = [a + (batch.loss_mask[a:e] > 0).nonzero().flatten() for a, e in segs]  # [n_b] trained positions
+    B, L = len(segs), max((len(p) for p in pos), default=0)
     v, m, r = (values_T.new_zeros(B, L) for _ in range(3))
-    for b, ((a, e), n) in enumerate(zip(segs, lens)):
-        v[b, :n], m[b, :n] = values_T[e - n:e], 1.0
+    for b, p in enumerate(pos):
+        n = len(p)
+        v[b, :n], m[b, :n] = values_T[p], 1.0
         if n and kl_T is not None:
-            r[b, :n] = -kl_coef * kl_T[e - n:e]
+            r[b, :n] = -kl_coef * kl_T[p]
             r[b, n - 1] += batch.rewards[b]
         elif n:  # a masked (over-long) response has no trained token; with every one masked L = 0
             r[b, n - 1] = batch.rewards[b]
     adv_BL, ret_BL = gae(r, v, m, gamma=gamma, lam=lam)
     adv_T, ret_T = torch.zeros_like(values_T), torch.zeros_like(values_T)
-    for b, ((a, e), n) in enumerate(zip(segs, lens)):
-        adv_T[e - n:e], ret_T[e - n:e] = adv_BL[b, :n], ret_BL[b, :n]
+    for b, p in enumerate(pos):
+        adv_T[p], ret_T[p] = adv_BL[b, :len(p)], ret_BL[b, :len(p)]
     return adv_T, ret_T
 
 
@@ -60,6 +64,36 @@ def rollout_is_stats(raw_T: torch.Tensor, valid_T: torch.Tensor, cap: float, dis
     n, total, capped = dist.all_sum([float(valid_T.sum()), float(w.sum()), float((w > cap).sum())])
     peak = dist.all_max([float(w.max()) if w.numel() else 0.0])[0]
     return {"rollout_is_mean": total / max(n, 1.0), "rollout_is_max": peak, "rollout_is_capped_frac": capped / max(n, 1.0)}
+
+
+def packed_correction(batch: TrainBatch, learner_old_T: torch.Tensor, spec: CorrectionSpec, dist: Dist
+                      ) -> tuple[torch.Tensor | None, torch.Tensor, dict]:
+    """Rollout correction (rl/algo/rollout_correction.py) of a packed batch, global over ranks: (IS weights
+    [T] fp32 or None, loss mask [T] after rejection, verl's rollout_corr/* metrics).
+
+    Each sequence's packed segment becomes a right-padded [B, L] row (prompt positions carry mask 0, so
+    the rows mean what verl's response rows mean); every rank's rows are gathered (a few floats per
+    token, host objects), the correction runs on the whole batch in fp64, and this rank takes its rows
+    back. No trained token anywhere: no weights, the mask as it was, no metrics."""
+    cu = torch.tensor(batch.cu_seqlens, dtype=torch.long)
+    lens = cu[1:] - cu[:-1]
+    L = int(lens.max()) if len(lens) else 0
+    L = int(dist.all_max([float(L)])[0]) if dist.enabled else L
+    pos_L = torch.arange(L)
+    inside_BL = pos_L[None, :] < lens[:, None]
+    idx_BL = (cu[:-1, None] + pos_L[None, :]).clamp(max=max(int(cu[-1]) - 1, 0)).to(batch.loss_mask.device)
+    inside = inside_BL.to(batch.loss_mask.device)
+    rows = [torch.where(inside, x[idx_BL].double(), 0.0) if x.numel() else x.new_zeros(len(lens), L).double()
+            for x in (learner_old_T, batch.old_logprobs, batch.loss_mask)]
+    parts = dist.all_gather_objects([r.cpu() for r in rows]) if dist.enabled else [rows]
+    mine = int(sum(p[0].shape[0] for p in parts[:dist.rank])) if dist.enabled else 0
+    learner_BL, engine_BL, mask_BL = (torch.cat([p[i] for p in parts]).to(rows[0].device) for i in range(3))
+    if not bool(mask_BL.any()):
+        return None, batch.loss_mask, {}
+    w_BL, keep_BL, metrics = rollout_correction(learner_BL, engine_BL, mask_BL, spec)
+    own = slice(mine, mine + len(lens))
+    weights = None if w_BL is None else w_BL[own][inside].float()
+    return weights, keep_BL[own][inside].to(batch.loss_mask.dtype), metrics
 
 
 def grpo_kl_advantages(batch: TrainBatch, kl_T: torch.Tensor, *, coef: float, group_size: int, estimator,
