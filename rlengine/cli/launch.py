@@ -41,6 +41,8 @@ def launch(args, train_config) -> int:
 
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.ERROR)
+    # its "failed (exitcode: N)" per rank too: the job's own last line says how each rank ended, in words
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     from rlengine.cli.rank_watch import RankWatch
 
     # a stopped rank fails no collective: killed after half the collective timeout, the job ends within it
@@ -56,6 +58,8 @@ def launch(args, train_config) -> int:
             return 130
         if not isinstance(exc, ChildFailedError):
             raise
+        if reported_user_error(exc.failures, watch.killed):  # rank 0's one line is the job's: exit 2 as it did
+            return 2
         print(f"rlengine train: {failure_line(exc.failures, watch.killed)}", file=sys.stderr)
         return 1
     return 0
@@ -83,22 +87,39 @@ def check_host_memory(cfg, nproc: int, world: int) -> None:
     os.environ[RANK_MEMORY_ENV] = str(share)  # the ranks inherit it
 
 
+def root_causes(failures: dict, stopped: dict[int, float]) -> list[int]:
+    """The ranks that caused a failure, most telling first: a rank found stopped; one killed by a signal
+    the launcher does not send; one that exited on its own (after a peer died, the others exit with
+    errors too); else all."""
+    import signal
+
+    killed = {r for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    exited = {r for r, f in failures.items() if f.exitcode != -signal.SIGTERM}
+    return sorted(next(s for s in (set(stopped) & set(failures), killed, exited, set(failures)) if s))
+
+
+def reported_user_error(failures: dict, stopped: dict[int, float]) -> bool:
+    """Whether the job ended on a user error that rank 0 has already reported in its one line: every
+    rank that caused the failure exited with code 2 (a ConfigError, CheckpointError or RewardError: the
+    ranks agree on those, and only rank 0 prints them), rank 0 among them or ended by the launcher's
+    SIGTERM after its line (the ranks exit from the same point, in either order)."""
+    import signal
+
+    causes = root_causes(failures, stopped)
+    return (not stopped and 0 in failures and failures[0].exitcode in (2, -signal.SIGTERM)
+            and all(failures[r].exitcode == 2 for r in causes))
+
+
 def failure_line(failures: dict, stopped: dict[int, float]) -> str:
     """One line: the ranks that caused the failure and how they ended, then the others.
 
     failures: {rank: ProcessFailure (.exitcode)}; stopped: {rank: seconds} of ranks the launcher killed
     because they had been stopped that long."""
-    import signal
-
     def how(rank: int) -> str:
         if rank in stopped:
             return f"stopped (SIGSTOP or frozen) for {stopped[rank]:.0f} s, so the launcher killed it"
         return how_it_ended(failures[rank].exitcode)
-    # the root cause, most telling first: a rank found stopped; one killed by a signal the launcher does
-    # not send; one that exited on its own (after a peer died, the others exit with errors too)
-    killed = {r for r, f in failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
-    exited = {r for r, f in failures.items() if f.exitcode != -signal.SIGTERM}
-    causes = sorted(next(s for s in (set(stopped) & set(failures), killed, exited, set(failures)) if s))
+    causes = root_causes(failures, stopped)
     line = "; ".join(f"rank {r} {how(r)}" for r in causes) + "; the job was stopped"
     others = sorted(set(failures) - set(causes))
     return line + (f" (ended with it: rank{'s' * (len(others) > 1)} {', '.join(map(str, others))})"

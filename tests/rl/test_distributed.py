@@ -272,6 +272,23 @@ def test_a_killed_rank_is_named_with_how_it_died():
     assert failure_line({0: F(exitcode=-15), 1: F(exitcode=-15)}, {}).startswith("rank 0 stopped by SIGTERM; rank 1")
 
 
+def test_a_user_error_every_rank_hit_ends_the_launcher_with_rank_0s_line_and_exit_2():
+    """A damaged checkpoint or a failed save ends every rank with exit 2 after rank 0's one line (the ranks
+    agree on user errors, and leave in either order): the launcher adds nothing (exit 2); a rank that
+    crashed, was killed or stopped, or a rank 0 that failed otherwise, still gets the launcher's line."""
+    from types import SimpleNamespace as F
+
+    from rlengine.cli.launch import reported_user_error
+
+    assert reported_user_error({0: F(exitcode=2), 1: F(exitcode=2)}, {})
+    assert reported_user_error({0: F(exitcode=2), 1: F(exitcode=-15)}, {})  # the launcher then ended rank 1
+    assert reported_user_error({0: F(exitcode=-15), 1: F(exitcode=2)}, {})  # rank 1 left first
+    assert not reported_user_error({0: F(exitcode=-15), 1: F(exitcode=1)}, {})  # rank 1 crashed
+    assert not reported_user_error({0: F(exitcode=2), 1: F(exitcode=-9)}, {})  # rank 1 killed: say so
+    assert not reported_user_error({0: F(exitcode=2), 1: F(exitcode=2)}, {1: 12.0})
+    assert not reported_user_error({0: F(exitcode=1), 1: F(exitcode=2)}, {})
+
+
 def test_a_rank_0_save_longer_than_the_collective_timeout_does_not_fail_the_job(tmp_path):
     """run.dist_timeout_s 4 and every rank-0 weight write slowed by 8 s (DDP's save, then FSDP's async
     sharded saves under a training update): the other rank waits on the checkpoint group, the job

@@ -171,3 +171,29 @@ def test_sigterm_to_the_two_rank_launcher_stops_every_rank_at_one_update_and_res
     per_rank_times = ("t_gen_ranks", "t_train_ranks", "b_act_mean_ranks")
     strip = lambda rows: [{k: v for k, v in without_timings(r).items() if k not in per_rank_times} for r in rows]
     assert strip(_metrics(out)) == strip(_metrics(tmp_path / "w"))
+
+
+def test_a_signal_during_the_warm_start_of_two_ranks_stops_both_in_one_line_and_a_resume_starts_over(tmp_path):
+    """`rlengine train --nproc 2`, Ctrl-C (SIGINT to the launcher, which passes it to both ranks) while
+    the ranks are setting up and warm-starting: every rank stops (the launcher returns, 130) with rank
+    0's one line and no traceback; the directory is the one process's (its config, no checkpoint, an
+    unfinished warm start not cached), which a resume accepts and starts over."""
+    from rlengine.rl.trainer.run_dir import prepare_run_dir, resume_config
+
+    out, cache, sig = tmp_path / "run", tmp_path / "cache", signal.SIGINT
+    proc = _start("--nproc", "2", *JOB, "--warmstart.steps", "100000", "--run.dist_timeout_s", "20",
+                  "--run.warmstart_cache", str(cache), "--run.out_dir", str(out))
+    end = time.monotonic() + 240
+    while not (out / "plan.json").is_file():  # rank 0 writes it just before its warm start
+        assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    line = (f"{signal.Signals(sig).name}: interrupted before the first update (no checkpoint yet); start it over "
+            f"with: rlengine train --resume {out}")
+    assert stderr.strip().splitlines()[-1] == line and stderr.count("interrupted") == 1, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.jsonl", "plan.json"]
+    assert not any(cache.iterdir())
+    assert resume_config(out).run_dir == str(out) and prepare_run_dir(out, out, False) is None

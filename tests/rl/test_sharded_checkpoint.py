@@ -112,3 +112,27 @@ def test_async_checkpoint_run_resumes_as_if_never_stopped(tmp_path):
         for k in ("N", "J", "reward_mean", "actor_grad_norm", "actor_loss", "kl"):
             if k in want:
                 assert got[k] == want[k], (k, got[k], want[k])
+
+
+def test_fsdp_save_failing_part_way_on_any_rank_leaves_the_previous_checkpoint_and_raises_on_every_rank(tmp_path):
+    """2 FSDP ranks, update 1 saved, then update 2's save fails with a full disk at each point in turn
+    (rank 0 making the directory, rank 1 half-way through its shard, rank 0 after the model export,
+    rank 0 after the rename with latest.tmp written, rank 1's shard in an async save): both ranks end
+    with the same one-line CheckpointError, no partial directory is left, `latest` still names update 1,
+    which loads back to exactly the state it was saved from; the next save works."""
+    out = tmp_path / "fault.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "tests/support/sharded_save_fault.py", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    failing_rank = {"begin": 0, "shard": 1, "model": 0, "pointer": 0, "async-shard": 1}
+    for case, rank in failing_rank.items():
+        got = res[case]
+        assert got["left"] == ["latest", "update-000001"] and got["latest"] == "update-000001", (case, got)
+        assert got["same"], case
+        want = (f"CheckpointError: cannot save the checkpoint of update 2 in {tmp_path / 'run' / 'checkpoints'}: "
+                f"No space left on device (rank {rank}); `latest` still names the previous one")
+        assert got["errors"] == [want, want], (case, got["errors"])
+    assert res["after"] == ["latest", "update-000001", "update-000002"]

@@ -1,7 +1,8 @@
 """Supervised FORMAT warm start: teach the answer format with answers that ignore the task's rule.
 
 Answers come from Task.warmstart_answer: by default random alphabet strings; for the digit
-tasks a digit of the prompt at a uniformly random position. The warm start thus teaches
+tasks a digit of the prompt at a uniformly random position (copy-digits: its first answer digit,
+the one read from ":", then random prompt digits; rl/data/tasks.py). The warm start thus teaches
 "answer with one digit from the prompt, then <eos>" but not WHICH digit, so held-out
 accuracy after it is near chance (about 20% for 8-digit prompts) and everything above that
 is the RL phase's work. Without it a randomly initialised tiny model almost never emits a
@@ -11,7 +12,8 @@ The warm start depends on the model, the task, its own settings, the seed and th
 not on the RL settings, so runs that differ only in those (a tune's B_train / LR / B_gen grid)
 can share it: `run.warmstart_cache` DIR stores the warm-started weights (safetensors) under a key
 of everything else, and a later run with the same key loads them instead of training again. The
-weights are the same bits either way, so the run is too.
+weights are the same bits either way, so the run is too. A damaged entry is trained again and replaced;
+a store that fails (a full disk) or is interrupted leaves no partial entry and is one ConfigError line.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rlengine.model.config import ConfigError
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.model.tokenizer import Tokenizer
 from rlengine.rl.data.tasks import Task
@@ -98,21 +101,82 @@ def cached_warmstart(model: Qwen3ForCausalLM, cache_dir: str | Path, key: str,
                      train: Callable[[], list[float]]) -> tuple[list[float], bool]:
     """(losses, loaded): the weights stored under cache_dir/key loaded into model, else train() run
     and its result stored (written to a private directory, then renamed: of two processes storing
-    the same key at once one rename wins, and both hold identical weights)."""
-    from safetensors.torch import load_model, save_model
-
+    the same key at once one rename wins, and both hold identical weights). An entry that cannot be
+    read (cut short by a crash, damaged) is a miss: trained again and replaced, with one line saying
+    so. A store that fails (a full disk) or is interrupted removes what it wrote and leaves every other
+    entry as it was; the failure is a ConfigError naming the entry."""
     path = Path(cache_dir) / key
-    weights, meta = path / "model.safetensors", path / "warmstart.json"
-    if weights.is_file() and meta.is_file():
-        load_model(model, weights, strict=True, device=str(model.device))
-        return json.loads(meta.read_text())["losses"], True
+    losses, damaged = _read_entry(model, path)
+    if losses is not None:
+        return losses, True
+    if damaged:
+        print(f"warm-start cache entry {path} is damaged ({damaged}); training the warm start again and "
+              "replacing it", flush=True)
     losses = train()
-    tmp = Path(cache_dir) / f".{key}.{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(tmp / "model.safetensors"))
-    (tmp / "warmstart.json").write_text(json.dumps({"losses": losses}))
-    try:
-        os.rename(tmp, path)
-    except OSError:  # stored by another process meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
+    _store_entry(model, path, losses, replace=bool(damaged))
     return losses, False
+
+
+def _read_entry(model, path: Path) -> tuple[list[float] | None, str]:
+    """(losses, "") with the entry's weights loaded into model; (None, "") when there is no entry; (None,
+    why) when it cannot be read. The files are checked whole before a single weight is copied."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_model
+
+    weights, meta = path / "model.safetensors", path / "warmstart.json"
+    if not path.exists():
+        return None, ""
+    try:
+        losses = json.loads(meta.read_text())["losses"]
+        with safe_open(str(weights), "pt") as f:  # the header and the file's length: a truncated file fails here
+            f.keys()
+        if not isinstance(losses, list):
+            raise ValueError("no list of losses")
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+    load_model(model, weights, strict=True, device=str(model.device))
+    return losses, ""
+
+
+def check_cache_dir(cache_dir: str | Path) -> None:
+    """run.warmstart_cache can hold entries: a directory (made if missing) this process can write to;
+    else a ConfigError, before any warm start runs."""
+    path = Path(cache_dir)
+    probe = path / f".write-check-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"run.warmstart_cache {str(cache_dir)!r}: cannot write there "
+                          f"({exc.strerror or exc})") from None
+
+
+def _store_entry(model, path: Path, losses: list[float], *, replace: bool) -> None:
+    from safetensors.torch import save_model
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_model(model, str(tmp / "model.safetensors"))
+        (tmp / "warmstart.json").write_text(json.dumps({"losses": losses}))
+        if replace:  # the damaged entry out of the way first (a rename does not replace a full directory)
+            old = path.with_name(f".{path.name}.damaged.{os.getpid()}")
+            try:
+                os.rename(path, old)
+            except FileNotFoundError:  # another process (a rank) replacing it too moved it first
+                pass
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not ((path / "model.safetensors").is_file() and (path / "warmstart.json").is_file()):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # stored by another process meanwhile
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"cannot write the warm-start cache entry {path} (run.warmstart_cache): "
+                          f"{exc.strerror or exc}") from None
+    except BaseException:  # interrupted (a signal): no half-written entry stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

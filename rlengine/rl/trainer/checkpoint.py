@@ -21,7 +21,6 @@ checkpoint loads as a CheckpointError naming the file and what is wrong.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,8 +29,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rlengine.model.loader import CheckpointError, load_pretrained, save_pretrained
+from rlengine.model.lora import lora_spec
+from rlengine.rl.trainer.adapter_ckpt import (check_adapter_base, is_adapter_checkpoint, load_adapter_checkpoint,
+                                              save_adapter_checkpoint)
 from rlengine.rl.distributed import Dist, full_tensor, is_sharded
-from rlengine.rl.trainer.ckpt_files import begin_checkpoint, publish, trainable, unique_state
+from rlengine.rl.trainer.ckpt_files import (begin_checkpoint, discard, failure_text, kept_note, publish, settle_save,
+                                           trainable, unique_state)
 from rlengine.rl.trainer.sharded import SHARDS, PendingSave, load_sharded, save_sharded
 
 # The points of save_checkpoint at which `on_stage` is called, in order (crash tests kill there).
@@ -97,7 +100,10 @@ def _gather(learner) -> dict[str, dict]:
 
 
 def _write_files(out: Path, files: dict[str, dict], *, model, state: dict, on_stage) -> None:
-    save_pretrained(model, out / "model")
+    if lora_spec(model) is not None:  # LoRA: adapter/ in PEFT's format + base.json, not the frozen base
+        save_adapter_checkpoint(model, out)
+    else:
+        save_pretrained(model, out / "model")
     on_stage("partial")
     metas = files.pop("_metas")
     for stem, tensors in files.items():
@@ -126,29 +132,16 @@ def save_checkpoint(run_dir: Path, update: int, *, model, learner, state: dict,
         ckpt_root, name, tmp = begin_checkpoint(run_dir, update)
     except OSError as exc:
         raise CheckpointError(f"cannot save the checkpoint of update {update} in {run_dir / 'checkpoints'}: "
-                              f"{exc.strerror or exc}") from None
+                              f"{failure_text(exc)}{kept_note(run_dir / 'checkpoints')}") from None
     try:
         _write_files(tmp, files, model=model, state=state, on_stage=on_stage)
         return publish(ckpt_root, name, update, keep=keep, on_stage=on_stage)
     except BaseException as exc:  # a failed (or interrupted) save leaves no partial directory behind
-        _discard(ckpt_root, name)
+        discard(ckpt_root, name)
         if isinstance(exc, OSError):
             raise CheckpointError(f"cannot save the checkpoint of update {update} in {ckpt_root}: "
-                                  f"{exc.strerror or exc}; `latest` still names the previous one") from None
+                                  f"{exc.strerror or exc}{kept_note(ckpt_root)}") from None
         raise
-
-
-def _discard(ckpt_root: Path, name: str) -> None:
-    """Remove the directories of an unfinished save of `name`, unless `latest` already names it."""
-    pointer = ckpt_root / "latest"
-    try:
-        published = pointer.is_file() and pointer.read_text().strip() == name
-    except OSError:
-        published = False
-    if not published:
-        shutil.rmtree(ckpt_root / f".tmp-{name}", ignore_errors=True)
-        shutil.rmtree(ckpt_root / name, ignore_errors=True)
-        (ckpt_root / "latest.tmp").unlink(missing_ok=True)
 
 
 def has_checkpoint(run_dir: Path) -> bool:
@@ -215,7 +208,10 @@ def load_checkpoint(path: Path, *, model, learner, dist=None) -> dict:
     state = read_state(path)
     _check_readable(path)
     try:
-        _check_model_shapes(path / "model", model)
+        if is_adapter_checkpoint(path):
+            check_adapter_base(path, model)
+        else:
+            _check_model_shapes(path / "model", model)
         load_checkpoint_files(path, model=model, learner=learner, dist=dist)
     except CheckpointError:
         raise
@@ -268,10 +264,13 @@ def load_checkpoint_files(path: Path, *, model, learner, dist=None) -> dict:
     (one file per kind, or sharded.py's shards) loads into any world size and sharding; dist: this
     rank (the shards' loading is collective), default one process.
     """
-    saved = load_pretrained(path / "model", dtype=model.dtype, device="cpu")
-    with torch.no_grad():
-        for p, q in zip(model.parameters(), saved.parameters()):
-            p.copy_(_like(q, p))
+    if is_adapter_checkpoint(path):
+        load_adapter_checkpoint(path, model)
+    else:
+        saved = load_pretrained(path / "model", dtype=model.dtype, device="cpu")
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), saved.parameters()):
+                p.copy_(_like(q, p))
     if (path / SHARDS).is_dir():
         load_sharded(path, model=model, learner=learner, dist=dist or Dist())
         return json.loads((path / "state.json").read_text())
@@ -303,8 +302,9 @@ def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collect
 
     An FSDP-sharded learner, or `asynchronous`, saves shards (sharded.py); `asynchronous` returns the
     PendingSave
-    while it is still being written (wait() on every rank, then dist.wait_for_save()); otherwise every
-    rank returns once the checkpoint is published (its directory on rank 0). record: this update's
+    while it is still being written (settle() on every rank); otherwise every rank returns once the
+    checkpoint is published (its directory on rank 0), or raises CheckpointError on every rank when any
+    rank's part failed (the unfinished directory removed, `latest` unchanged). record: this update's
     metrics record when it is not yet in metrics.jsonl (kept in state.json: a resume restores it).
     """
     collector.drain()
@@ -318,13 +318,16 @@ def save_run(run_dir: Path, *, update: int, n: int, model, learner, llm, collect
     if asynchronous or is_sharded(model):
         pending = save_sharded(run_dir, update, model=model, learner=learner, state=state, dist=dist,
                                asynchronous=asynchronous, keep=keep)
-        if asynchronous:
-            return pending
-        path = pending.wait()
-    else:
+        return pending if asynchronous else pending.settle()
+    path, error = None, None
+    try:
         path = save_checkpoint(run_dir, update, model=model, learner=learner, state=state, write=dist.is_main,
                                keep=keep)
-    dist.wait_for_save()  # no rank resumes or exits before the checkpoint is complete, however long it took
+    except CheckpointError as exc:  # rank 0's write failed (and was cleaned up): every rank raises it
+        error = exc
+    # no rank resumes or exits before the checkpoint is complete, however long it took, nor goes on after a
+    # failed one (a collective on the checkpoint group)
+    settle_save(dist, error, update=update, ckpt_root=run_dir / "checkpoints", name=None)
     return path
 
 

@@ -1,15 +1,20 @@
 """The files of a checkpoint directory, for both layouts (checkpoint.py, sharded.py): naming a new
-one, publishing it crash-safely (the order is checkpoint.py's docstring), and the tensor sets both save.
+one, publishing it crash-safely (the order is checkpoint.py's docstring), removing a save that failed,
+the ranks' agreement on whether a save succeeded, and the tensor sets both save.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from rlengine.model.loader import CheckpointError
+
 
 def unique_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """state_dict with each tensor once: safetensors refuses shared storage (tied lm_head/embed_tokens)."""
@@ -52,6 +57,8 @@ def _fresh_name(ckpt_root: Path, update: int) -> str:
 def begin_checkpoint(run_dir: Path, update: int) -> tuple[Path, str, Path]:
     """(checkpoints/, a fresh name for `update`, its new empty .tmp-<name> directory)."""
     ckpt_root = run_dir / "checkpoints"
+    if ckpt_root.exists() and not ckpt_root.is_dir():  # say so, not mkdir's "File exists"
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(ckpt_root))
     if not ckpt_root.is_dir():
         ckpt_root.mkdir(parents=True)
         _fsync(run_dir)
@@ -90,6 +97,75 @@ def publish(ckpt_root: Path, name: str, update: int, *, keep: int = 0,
             if p.name != name:
                 shutil.rmtree(p)
     return final
+
+
+def discard(ckpt_root: Path, name: str) -> bool:
+    """Remove what an unfinished save of `name` wrote (.tmp-<name>, <name>, latest.tmp) unless `latest`
+    already names it; returns whether it had been published (then nothing is removed)."""
+    pointer = ckpt_root / "latest"
+    try:
+        published = pointer.is_file() and pointer.read_text().strip() == name
+    except OSError:
+        published = False
+    if not published:
+        shutil.rmtree(ckpt_root / f".tmp-{name}", ignore_errors=True)
+        shutil.rmtree(ckpt_root / name, ignore_errors=True)
+        try:
+            (ckpt_root / "latest.tmp").unlink(missing_ok=True)
+        except OSError:
+            pass
+    return published
+
+
+def kept_note(ckpt_root: Path) -> str:
+    """How a failed save leaves the run: `latest` as it was, or no checkpoint yet."""
+    try:
+        kept = (ckpt_root / "latest").is_file()
+    except OSError:
+        kept = False
+    return "; `latest` still names the previous one" if kept else "; the run has no checkpoint yet"
+
+
+def failure_text(exc: BaseException) -> str:
+    """What went wrong in a save, in a few words: an OSError's reason and file, the first failed rank's
+    error of a torch.distributed.checkpoint CheckpointException (a dict of every rank's), or the message."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        return f"{failure_text(inner)} (rank {rank})"
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def settle_save(dist, error: BaseException | None, *, update: int, ckpt_root: Path, name: str | None) -> None:
+    """Every rank, after its part of a save: wait for the others and learn whether any part failed (one
+    all-gather on the checkpoint group, whose timeout is run.save_timeout_s). On a failure rank 0 removes
+    the unfinished checkpoint (`latest` keeps naming the previous one) and every rank raises: its own
+    error when that is not a file or checkpoint fault (a bug shows its traceback), else CheckpointError."""
+    text = None if error is None else failure_text(error)
+    texts = [text]
+    if dist is not None and dist.enabled:
+        import torch.distributed
+
+        texts = [None] * dist.world
+        torch.distributed.all_gather_object(texts, text, group=dist.ckpt_group)
+    failed = [(rank, t) for rank, t in enumerate(texts) if t is not None]
+    if not failed:
+        return
+    main = dist is None or dist.is_main
+    published = main and name is not None and discard(ckpt_root, name)
+    user_fault = isinstance(error, (OSError, CheckpointError)) or type(error).__name__ == "CheckpointException"
+    if error is not None and not user_fault:
+        raise error
+    rank, text = failed[0]
+    if text.startswith("cannot save the checkpoint"):  # already worded by the rank that wrote (save_checkpoint)
+        raise CheckpointError(text) from None
+    who = f" (rank {rank})" if len(texts) > 1 and "(rank " not in text else ""
+    after = "; it was published, but removing the older checkpoints failed" if published else kept_note(ckpt_root)
+    raise CheckpointError(f"cannot save the checkpoint of update {update} in {ckpt_root}: {text}{who}{after}") \
+        from None
 
 
 def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -21,9 +21,11 @@ import torch
 
 from rlengine.rl.algo.overlong import shape_overlong
 from rlengine.rl.algo.schedule import lr_factor
+from rlengine.model.config import ConfigError
 from rlengine.rl.config import TrainConfig
 from rlengine.rl.data.tasks import assign_token_credits
-from rlengine.rl.data.warmstart import cached_warmstart, format_warmstart, warmstart_key
+from rlengine.rl.data.warmstart import cached_warmstart, check_cache_dir, format_warmstart, warmstart_key
+from rlengine.rl.trainer.adapter_ckpt import attach_run_lora
 from rlengine.rl.distributed import Dist, init_from_env
 from rlengine.rl.learner.batching import estimate_batch
 from rlengine.rl.rollout.collector import CollectStats
@@ -80,6 +82,8 @@ class Trainer:
         # never into another run's directory (checked before the first collective: no rank wrote yet);
         # None: a new run, or a resumed one stopped before its first checkpoint, which starts over
         self.resume_dir = prepare_run_dir(self.run_dir, asked, cfg.run.overwrite)
+        if cfg.run.warmstart_cache and self.resume_dir is None and cfg.warmstart.steps:
+            check_cache_dir(cfg.run.warmstart_cache)  # a file, read-only: one line before anything is written
         self.dist = dist if dist is not None else init_from_env(cfg.run.dist_timeout_s, cfg.run.save_timeout_s)
         self.dist.check_same("config", cfg.to_dict())
         if self.dist.is_main:
@@ -117,6 +121,9 @@ class Trainer:
                     self.warmstart_losses, _ = cached_warmstart(self.model, cfg.run.warmstart_cache, key, warm)
                 else:
                     self.warmstart_losses = warm()
+        # LoRA (model.lora_*): adapters on the frozen base, the model as the warm start left it
+        attach_run_lora(self.model, cfg, self.run_dir, warm_started=bool(w.steps),
+                        resumed=self.resume_dir is not None, write=self.dist.is_main)
         # Built after the warm start: the KL reference and the PPO critic start from the policy at
         # update 0, not from the random initialisation (on resume, the checkpoint restores both).
         slow = [f"resuming from {self.resume_dir}"] * (self.resume_dir is not None) + \
@@ -192,9 +199,13 @@ class Trainer:
                         j = self.evaluate()
                     self._log({"update": 0, "N": 0, "J": j, **eval_fields(self.eval_metrics)})
                 self._loop(last, stop_when, stop)
-            if self._saved != self.update:  # the last update is saved once; a finished run, not again
-                self.checkpoint()
-            self.wait_for_checkpoint()
+                # inside the handler: a signal now lets the last save finish (a second one exits at once)
+                if self._saved != self.update:  # the last update is saved once; a finished run, not again
+                    self.checkpoint()
+                self.wait_for_checkpoint()
+                # after the checkpoint: a telemetry file that cannot be written (a full disk) costs no update
+                write_telemetry(self.telemetry, self.history, b_train=self.cfg.train.b_train, dist=self.dist,
+                                run_dir=self.run_dir, gpu=self.model.device.type == "cuda")
         finally:  # a reward pool's workers never outlive the run, whatever ended it
             self.parts.close()
             self.outputs.close()
@@ -208,20 +219,22 @@ class Trainer:
         with profiler, self.console.updates(cfg.train.updates, start=self.update) as console:
             while self.update < last:
                 record = self._update_and_after()
-                self._log(record)
+                fault = self._log(record, defer=True)
                 console.advance(record)
+                # every rank stops at the same update, and ends alike when rank 0 could not write its line
+                stopping, faulted = self.dist.all_max([float(stop.requested), float(fault is not None)])
+                if faulted:  # the record is safe in the update's checkpoint, when one was due
+                    raise fault or ConfigError("rank 0 could not write metrics.jsonl (its error says why)")
                 if stop_when is not None and stop_when(record):
                     self.stopped_early = True
                     break
-                if self.dist.all_max([float(stop.requested)])[0]:  # every rank stops at the same update
+                if stopping:
                     self.interrupted = True
                     break
                 profiler.step()  # one profiler step = one RL update (collect, update, eval, log)
         if profiler.trace_path:
             print(f"profile of updates {window.start}..{window.stop - 1}: {profiler.trace_path} {profiler.note}")
         self.telemetry.stop()
-        write_telemetry(self.telemetry, self.history, b_train=cfg.train.b_train, dist=self.dist, run_dir=self.run_dir,
-                        gpu=self.model.device.type == "cuda")
 
     def _update_and_after(self) -> dict:
         """One update, its evaluation when due and its periodic checkpoint (before the record is logged,
@@ -243,9 +256,17 @@ class Trainer:
                                     device=self.model.device))
         return record
 
-    def _log(self, record: dict) -> None:
+    def _log(self, record: dict, defer: bool = False) -> ConfigError | None:
+        """Append `record` to the history and the run's outputs; a write that fails (a full disk) raises,
+        or with `defer` is returned, so that every rank can learn of it first."""
         self.history.append(record)
-        self.outputs.log(record)
+        try:
+            self.outputs.log(record)
+        except ConfigError as exc:
+            if not defer:
+                raise
+            return exc
+        return None
 
     def checkpoint(self, record: dict | None = None) -> Path | None:
         """Save this update (run.async_checkpoint: start saving it; returns None); the save before it
@@ -265,9 +286,7 @@ class Trainer:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        path = pending.wait()
-        self.dist.wait_for_save()
-        return path
+        return pending.settle()  # every rank: raises CheckpointError on all of them when any part failed
 
     def _resume(self) -> None:
         self.update, self.N = resume_run(self.resume_dir, model=self.model, learner=self.learner, llm=self.llm,

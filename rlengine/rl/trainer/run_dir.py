@@ -122,7 +122,8 @@ def keep_metrics_through(resume_dir: Path, run_dir: Path, update: int, cfg: Trai
     """A resumed run's history: RESUME_DIR's metrics records of updates <= `update` (the checkpoint's;
     a line a crash cut short is skipped and reported, the checkpoint's own record restored when its
     line was lost), rewritten by rank 0 into RUN_DIR with the run's config and its outputs trimmed alike.
-    A fork (RUN_DIR not RESUME_DIR) also gets a copy of the checkpoint, so it resumes on its own."""
+    A fork (RUN_DIR not RESUME_DIR) also gets a copy of the checkpoint, so it resumes on its own, and the
+    step trace's lines through `update`."""
     metrics = resume_dir / "metrics.jsonl"
     records, skipped = read_records(metrics)
     kept = [r for r in records if r["update"] <= update]
@@ -136,6 +137,8 @@ def keep_metrics_through(resume_dir: Path, run_dir: Path, update: int, cfg: Trai
             print(skipped_note(metrics, skipped), flush=True)
         if fork:
             copy_checkpoint(latest_checkpoint(resume_dir), run_dir, update)
+            trace, _ = read_records(resume_dir / "trace.jsonl")  # the device clock's history too
+            replace_lines(run_dir / "trace.jsonl", [json.dumps(r) for r in trace if r["update"] <= update])
         replace_lines(run_dir / "metrics.jsonl", [json.dumps(r) for r in kept])
         replace_lines(run_dir / "config.json", [json.dumps(cfg.to_dict(), indent=2)])
         outputs.reset(keep_through=update, source=resume_dir / "samples.jsonl")
@@ -152,7 +155,7 @@ def copy_checkpoint(src: Path, run_dir: Path, update: int) -> Path:
         raise cannot_write(run_dir / "checkpoints", exc) from None
 
 
-RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "telemetry.json", "plan.json")
+RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "telemetry.json", "plan.json", "trace.jsonl")
 
 
 def holds_run(path: Path) -> bool:
@@ -172,14 +175,17 @@ def fresh_run_dir(base: str | Path) -> Path:
 
 
 def check_out_dir(path: str | Path) -> None:
-    """run.out_dir can hold a run: not a file, not under one, and writable (checked by creating it and
-    writing a probe file there, which is removed)."""
+    """run.out_dir can hold a run: not a file, not under one, its checkpoints/ not a file, and writable
+    (checked by creating it and writing a probe file there, which is removed)."""
     text, path = str(path), Path(path)
     _check(bool(text.strip()), "run.out_dir is empty; give a directory for the run (e.g. runs/my-run)")
     for part in (path, *path.parents):
         if part.exists():
             _check(part.is_dir(), f"run.out_dir {text!r}: {part} is a file, not a directory")
             break
+    ckpts = path / "checkpoints"
+    _check(not ckpts.exists() or ckpts.is_dir(), f"run.out_dir {text!r}: {ckpts} is a file, not a directory (the "
+                                                  "run keeps its checkpoints there)")
     probe = path / f".write-check-{os.getpid()}"
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -206,7 +212,7 @@ def _own_checkpoint_entry(name: str) -> bool:
 
 def clear_run(path: Path) -> None:
     """Remove a previous run's own files from `path` (run.overwrite): its config, plan, metrics, samples,
-    telemetry, TensorBoard events and checkpoints (by their names: update-*, latest). Anything else,
+    telemetry, step trace, TensorBoard events and checkpoints (by their names: update-*, latest). Anything else,
     in the directory or in checkpoints/, is left alone; checkpoints/ goes only when that leaves it empty."""
     path = Path(path)
     try:

@@ -9,7 +9,10 @@ by the unshard the rollouts do anyway, and copied to rank 0's host) or when run.
 on (the tensors are staged on the host when the save is called and written while training goes
 on). Shards load at any world size and in one process (DCP reshards on load). Publishing is
 checkpoint.py's: a .tmp- directory renamed once complete, then `latest`. DCP's collectives run
-on Dist.ckpt_group, whose timeout is run.save_timeout_s, not the training collectives' one.
+on Dist.ckpt_group, whose timeout is run.save_timeout_s, not the training collectives' one. A save
+that fails part way on any rank (a full disk while one rank writes its shard, or while rank 0 writes
+the model or publishes) is settled on every rank: rank 0 removes the unfinished directory, `latest`
+keeps naming the previous checkpoint, and every rank raises the same CheckpointError.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from pathlib import Path
 import torch
 
 from rlengine.model.loader import CheckpointError, hf_export, write_hf_export
-from rlengine.rl.trainer.ckpt_files import begin_checkpoint, publish, trainable, unique_state
+from rlengine.rl.trainer.ckpt_files import (begin_checkpoint, failure_text, publish, settle_save, trainable,
+                                           unique_state)
 
 SHARDS = "shards"
 
@@ -70,13 +74,18 @@ def _dcp_kwargs(dist) -> dict:
 
 class PendingSave:
     """A checkpoint being written. wait() returns its directory (rank 0; None elsewhere) once this
-    rank's part is on disk, and re-raises what failed; done() does not block."""
+    rank's part is on disk, and re-raises what failed there; settle() (every rank) also waits for the
+    other ranks' parts and, when any failed, removes the unfinished checkpoint and raises on every rank
+    (ckpt_files.settle_save); done() does not block."""
 
-    def __init__(self, future: Future | None, finish: Callable[[], Path] | None):
-        self._result: list = []
+    def __init__(self, future: Future | None, finish: Callable[[], Path] | None, *, error: BaseException | None = None,
+                 dist=None, update: int = 0, ckpt_root: Path | None = None, name: str | None = None):
+        self._result: list = [error] if error is not None else []
+        self._where = (dist, update, ckpt_root, name)
         self._thread = threading.Thread(target=self._run, args=(future, finish), daemon=True,
                                         name="rlengine-checkpoint")
-        self._thread.start()
+        if error is None:
+            self._thread.start()
 
     def _run(self, future, finish) -> None:
         try:
@@ -90,29 +99,56 @@ class PendingSave:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def join(self) -> None:
+        """Block until this rank's part is written (or failed); raises nothing."""
+        if self._thread.ident is not None:
+            self._thread.join()
+
     def wait(self) -> Path | None:
-        self._thread.join()
+        self.join()
         if isinstance(self._result[0], BaseException):
             raise self._result[0]
         return self._result[0]
 
+    def settle(self) -> Path | None:
+        """wait(), then agree with every rank on the outcome (a collective on the checkpoint group)."""
+        try:
+            path, error = self.wait(), None
+        except BaseException as exc:  # noqa: BLE001 - every rank learns of it before anyone raises
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            path, error = None, exc
+        dist, update, ckpt_root, name = self._where
+        settle_save(dist, error, update=update, ckpt_root=ckpt_root, name=name)
+        return path
+
 
 def save_sharded(run_dir: Path, update: int, *, model, learner, state: dict, dist, asynchronous: bool = False,
                  keep: int = 0, on_stage: Callable[[str], None] | None = None) -> PendingSave:
-    """Every rank calls it; returns the save in flight (already finished unless `asynchronous`).
+    """Every rank calls it; returns the save in flight (its writing done unless `asynchronous`): call
+    settle() on every rank, which raises CheckpointError on all of them when any part failed.
 
     Rank 0 names the checkpoint and makes its .tmp- directory; every rank writes its shards there;
     rank 0 then writes model/ and the JSON files and publishes. Asynchronous: the shard tensors and
-    the model export are copied to the host here, and the writing goes on in the background.
+    the model export are copied to the host here, and the writing goes on in the background. A part
+    that fails (a full disk on one rank) is caught and handed to settle(), so no rank is left waiting.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.api import CheckpointException
 
     on_stage = on_stage or (lambda stage: None)
-    ckpt_root, name = run_dir / "checkpoints", None
+    ckpt_root, name, began = run_dir / "checkpoints", None, None
     if dist.is_main:
-        ckpt_root, name, _ = begin_checkpoint(run_dir, update)
-    name = dist.broadcast_object(name)  # after rank 0 made the directory every rank writes into
+        try:
+            ckpt_root, name, _ = begin_checkpoint(run_dir, update)
+        except OSError as exc:
+            began = exc
+    # after rank 0 made the directory every rank writes into (or failed to: then no rank writes)
+    name, failed = dist.broadcast_object((name, None if began is None else failure_text(began)))
+    where = {"dist": dist, "update": update, "ckpt_root": ckpt_root, "name": name}
+    if failed is not None:
+        return PendingSave(None, None, error=began or CheckpointError(failed), **where)
     tmp = ckpt_root / f".tmp-{name}"
     with dist.unsharded(model):  # the HF export: full weights (a device all-gather), on rank 0's host only
         export = hf_export(model) if dist.is_main else None
@@ -126,15 +162,18 @@ def save_sharded(run_dir: Path, update: int, *, model, learner, state: dict, dis
         (tmp / "state.json").write_text(json.dumps(state))
         return publish(ckpt_root, name, update, keep=keep, on_stage=on_stage)
 
-    with _quiet_dcp():
-        if asynchronous:
-            future = dcp.async_save(tensors, storage_writer=writer, **_dcp_kwargs(dist))
-        else:
-            dcp.save(tensors, storage_writer=writer, **_dcp_kwargs(dist))
-            future = None
-    pending = PendingSave(future, finish if dist.is_main else None)
+    try:
+        with _quiet_dcp():
+            if asynchronous:
+                future = dcp.async_save(tensors, storage_writer=writer, **_dcp_kwargs(dist))
+            else:  # a rank whose writing fails fails it on every rank (DCP gathers the outcome)
+                dcp.save(tensors, storage_writer=writer, **_dcp_kwargs(dist))
+                future = None
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - settle() reports it on every rank
+        return PendingSave(None, None, error=exc, **where)
+    pending = PendingSave(future, finish if dist.is_main else None, **where)
     if not asynchronous:
-        pending.wait()
+        pending.join()
     return pending
 
 
