@@ -68,13 +68,18 @@ def reference_device_params(cfg: ModelConfig, *, offload: bool = False) -> int:
 
 
 def training_state_bytes(cfg: ModelConfig, dtype: str, master_weights: str = "auto", *,
-                         critic: bool = False, kl_reference: bool = False, ref_offload: bool = False) -> int:
+                         critic: bool = False, kl_reference: bool = False, ref_offload: bool = False,
+                         lora_params: int = 0) -> int:
     """M_weights of a training run on one device: the policy's training state, plus a PPO critic
     (a trunk copy with its own optimizer state: the LM head excluded) and a frozen KL reference
-    (weights only; with ref_offload only its device-resident part, reference_device_params)."""
+    (weights only; with ref_offload only its device-resident part, reference_device_params).
+    lora_params > 0 (LoRA, model/lora.py lora_stored_count): the base is frozen (its weights only) and
+    the adapters carry the training state; the KL reference is the base with the adapters off (0 bytes)."""
     n = param_counts(cfg).total
     per = training_bytes_per_param(dtype, master_weights).total
-    total = n * per
+    total = n * per if not lora_params else n * _BYTES[dtype] + lora_params * per
+    if lora_params:
+        kl_reference = False
     if critic:
         counts = param_counts(cfg)
         trunk = n - (0 if counts.tied else counts.lm_head)

@@ -147,22 +147,23 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, dtype: str, max_model_le
                 activations: int | None = None, activations_measured: bool | None = None, sampler: int = 0,
                 reserve: int = GiB, alpha: float = 0.9, b_gen: int = 1, group_size: int = 1,
                 fsdp_shards: int = 1, activation_checkpointing: bool = False, ref_offload: bool = False,
-                num_kv_blocks: int | None = None, micro_batch: int = 0) -> MemoryPlan:
+                num_kv_blocks: int | None = None, micro_batch: int = 0, lora_params: int = 0) -> MemoryPlan:
     """The plan for one device (bytes). activations: a measured peak (else activation_bytes() over
     micro_batch_tokens, with the learner's `head`, "chunked", "fused" or "materialized", and
     `logprobs_mode`; activations_measured: say which, default whether activations was given); sampler: the engine's sampler workspace (sampler_bytes); fsdp_shards: ranks the
     training state is sharded over (1: a full replica, as DDP keeps); activation_checkpointing /
     ref_offload: train.activation_checkpointing / train.ref_offload; num_kv_blocks: a pool the job
-    sizes itself (the CPU trainer), checked against the budget, instead of the rest of it."""
+    sizes itself (the CPU trainer), checked against the budget, instead of the rest of it. lora_params:
+    the LoRA adapters' stored elements (training_state_bytes), 0 = full fine-tuning."""
     if device_bytes <= 0 or max_model_len < 1 or micro_batch_tokens < 1 or block_size < 1:
         raise ConfigError(f"plan_memory needs device_bytes > 0, max_model_len, micro_batch_tokens and block_size "
                           f">= 1; got {device_bytes}, {max_model_len}, {micro_batch_tokens}, {block_size}")
     if not 0 < alpha <= 1:
         raise ConfigError(f"plan_memory: alpha must be in (0, 1], got {alpha}")
     s = _BYTES[dtype]
-    weights = param_counts(cfg).total * s
+    weights = (param_counts(cfg).total + lora_params) * s
     state = training_state_bytes(cfg, dtype, master_weights, critic=critic, kl_reference=kl_reference,
-                                 ref_offload=ref_offload)
+                                 ref_offload=ref_offload, lora_params=lora_params)
     state = weights + -(-(state - weights) // max(1, fsdp_shards))
     measured = activations is not None if activations_measured is None else activations_measured
     if activations is None:

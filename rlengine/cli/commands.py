@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from rlengine.cli.info import cmd_info as _cmd_info
+from rlengine.cli.export import add_export_parser
 from rlengine.cli.serve import add_serve_parser
 from rlengine.cli.tune import cmd_report as _cmd_report
 from rlengine.cli.tune import cmd_tune as _cmd_tune
@@ -31,6 +32,7 @@ def _add_tokenizer_args(p: argparse.ArgumentParser) -> None:
                    help="tokenizer files from DIR or a hub id (default: the checkpoint's own, or the built-in one "
                    "for presets)")
     p.add_argument("--revision", default=None, help="with a hub id --model: the branch, tag or commit sha")
+    p.add_argument("--lora-path", default=None, metavar="DIR", help="a PEFT LoRA adapter to decode with, unmerged")
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
@@ -81,7 +83,8 @@ def _cmd_generate(args) -> int:
                                 max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)
     except ValueError as exc:
         raise ConfigError(f"{exc} (check --temperature / --top-p / --seed / --stop)") from None
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer, revision=args.revision)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer, revision=args.revision,
+              lora_path=args.lora_path)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         messages.append({"role": "user", "content": args.prompt})
@@ -244,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", type=float, default=None, metavar="GIB",
                    help="device memory for --plan in GiB (default: this CUDA device's, else this machine's RAM)")
     p.add_argument("--kernels", default=None, metavar="PRESET",
-                   help="time and print the CPU kernel choices of a preset's decode shapes (B_act 1-64)")
+                   help="time and print the CPU kernel choices of a preset's decode shapes and prefill attention")
     p.add_argument("--kernels-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="dtype for --kernels (default: %(default)s)")
     p.add_argument("--cpu-kernels", default="cache", metavar="SETTING",
@@ -275,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     add_serve_parser(sub, _add_model_args, _add_tokenizer_args)
+    add_export_parser(sub)
 
     p = sub.add_parser("train", help="run GRPO/PPO (default: GRPO on a built-in task with the tiny preset)",
                        description="Run an RL job. With no arguments: the embedded default (GRPO, tiny preset, "

@@ -63,7 +63,7 @@ def cmd_serve(args) -> int:
     try:
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer,
                   revision=args.revision, seed=args.seed, max_num_seqs=args.max_num_seqs,
-                  max_model_len=args.max_model_len, batch_invariant=args.batch_invariant)
+                  max_model_len=args.max_model_len, batch_invariant=args.batch_invariant, lora_path=args.lora_path)
     except ValueError as exc:
         raise ConfigError(f"{exc} (check --max-num-seqs / --max-model-len / --batch-invariant)") from None
     return serve(llm, model_name=args.served_model_name or args.model, host=args.host, port=args.port,

@@ -121,7 +121,22 @@ class SwiGLUMLP(nn.Module):
         self.ffn = ffn
         self.gate_up_proj = nn.Linear(hidden, 2 * ffn, bias=False)
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
+        self.gate_up_lora = self.down_lora = None  # LoRA adapters (model/lora.py add_lora), if any
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.ffn, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gu = self.gate_up_proj(x)
+        if self.gate_up_lora is not None:
+            gu = self.gate_up_lora(x, gu)
+        gate, up = gu.split(self.ffn, dim=-1)
+        a = F.silu(gate) * up
+        out = self.down_proj(a)
+        return out if self.down_lora is None else self.down_lora(a, out)
+
+    def forward_fused(self, x: torch.Tensor, linear, silu_and_mul) -> torch.Tensor:
+        """The no-grad fast path with the device's kernels (FusedOps.linear / .silu_and_mul)."""
+        gu = linear(x, self.gate_up_proj.weight)
+        if self.gate_up_lora is not None:
+            gu = self.gate_up_lora.fused(x, gu, linear)
+        a = silu_and_mul(gu)
+        out = linear(a, self.down_proj.weight)
+        return out if self.down_lora is None else self.down_lora.fused(a, out, linear)

@@ -45,38 +45,51 @@ class Attention(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv_lora = self.o_lora = None  # LoRA adapters (model/lora.py add_lora), if any
 
     def forward(self, x_TC, cos, sin, ctx: AttentionContext):
         T = x_TC.shape[0]
-        q, k, v = self.qkv_proj(x_TC).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x_TC)
+        if self.qkv_lora is not None:
+            qkv = self.qkv_lora(x_TC, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o_THD = ctx.attend(self.layer_id, q, k, v.view(T, self.num_kv_heads, self.head_dim))
-        return self.o_proj(o_THD.reshape(T, self.q_size))
+        o_TC = self.o_proj(o_THD.reshape(T, self.q_size))
+        return o_TC if self.o_lora is None else self.o_lora(o_THD.reshape(T, self.q_size), o_TC)
 
     def forward_fused(self, x_TC, positions_T, rope_table, ctx: AttentionContext, ops: FusedOps):
         """No-grad path: one kernel for q/k RMSNorm (if any) + RoPE straight from the qkv projection."""
         T = x_TC.shape[0]
         qkv = (ops.linear(x_TC, self.qkv_proj.weight) if self.qkv_proj.bias is None
                else F.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias))
+        if self.qkv_lora is not None:
+            qkv = self.qkv_lora.fused(x_TC, qkv, ops.linear)
         q_w, k_w = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         q, k = ops.qk_norm_rope(qkv, q_w, k_w, rope_table, positions_T, self.num_heads, self.num_kv_heads, self.eps)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         o_THD = ctx.attend(self.layer_id, q, k, v)
-        return ops.linear(o_THD.reshape(T, self.q_size), self.o_proj.weight)
+        o = o_THD.reshape(T, self.q_size)
+        out = ops.linear(o, self.o_proj.weight)
+        return out if self.o_lora is None else self.o_lora.fused(o, out, ops.linear)
 
     def forward_invariant(self, x_TC, positions_T, rope_table, ctx: AttentionContext):
         """Batch-invariant path (batch_invariant.py): the same structure with the invariant ops."""
         T = x_TC.shape[0]
         qkv = inv.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias)
+        if self.qkv_lora is not None:
+            qkv = self.qkv_lora.invariant(x_TC, qkv, inv.linear)
         q_w, k_w = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         q, k = inv.qk_norm_rope(qkv, q_w, k_w, rope_table, positions_T, self.num_heads, self.num_kv_heads, self.eps)
         v = qkv[:, self.q_size + self.kv_size:].reshape(T, self.num_kv_heads, self.head_dim)
         o_THD = ctx.attend(self.layer_id, q, k, v)
-        return inv.linear(o_THD.reshape(T, self.q_size), self.o_proj.weight)
+        o = o_THD.reshape(T, self.q_size)
+        out = inv.linear(o, self.o_proj.weight)
+        return out if self.o_lora is None else self.o_lora.invariant(o, out, inv.linear)
 
 
 class DecoderLayer(nn.Module):
@@ -113,10 +126,19 @@ class DecoderLayer(nn.Module):
         h = ops.fused_add_rms_norm(h, residual_TC, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps)
         if isinstance(self.mlp, SwiGLUMLP):
-            h = ops.linear(ops.silu_and_mul(ops.linear(h, self.mlp.gate_up_proj.weight)), self.mlp.down_proj.weight)
+            h = self.mlp.forward_fused(h, ops.linear, ops.silu_and_mul)
         else:
             h = self.mlp(h)
         return h, residual_TC
+
+    def _mlp_invariant(self, h):
+        mlp = self.mlp
+        gu = inv.linear(h, mlp.gate_up_proj.weight)
+        if mlp.gate_up_lora is not None:
+            gu = mlp.gate_up_lora.invariant(h, gu, inv.linear)
+        a = inv.silu_and_mul(gu)
+        out = inv.linear(a, mlp.down_proj.weight)
+        return out if mlp.down_lora is None else mlp.down_lora.invariant(a, out, inv.linear)
 
     def forward_invariant(self, x_TC, positions_T, rope_table, ctx):
         """Batch-invariant path: x + attn(norm(x)), then + mlp(norm(.)), every op row-invariant."""
@@ -124,7 +146,7 @@ class DecoderLayer(nn.Module):
         x_TC = x_TC + self.self_attn.forward_invariant(h, positions_T, rope_table, ctx)
         h = inv.rms_norm(x_TC, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         if isinstance(self.mlp, SwiGLUMLP):
-            h = inv.linear(inv.silu_and_mul(inv.linear(h, self.mlp.gate_up_proj.weight)), self.mlp.down_proj.weight)
+            h = self._mlp_invariant(h)
         else:
             h = inv_moe.moe_block(self.mlp, h)
         return x_TC + h

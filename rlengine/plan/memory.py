@@ -48,6 +48,18 @@ def model_config(name: str, revision: str = "") -> ModelConfig:
     return factory_model_config(name, revision=revision or None)  # a preset, a directory or a hub id
 
 
+def lora_params(cfg: ModelConfig, section) -> int:
+    """The LoRA adapters' stored elements of a job's model section (model/lora.py), 0 without LoRA."""
+    from rlengine.model.lora import check_lora_fits, lora_stored_count
+    from rlengine.model.lora_peft import job_lora_spec
+
+    spec = job_lora_spec(section)
+    if spec is None:
+        return 0
+    check_lora_fits(cfg, spec)  # LoRA on MoE experts: refused before anything is built
+    return lora_stored_count(cfg, spec)
+
+
 def job_shape(tc) -> JobShape:
     """The engines' sizes for a TrainConfig, as the trainer makes them (builds the task and eval sets):
     max_model_len = the longest train / eval prompt + gen.max_tokens + 1, capped at the model's
@@ -125,7 +137,8 @@ def plan_for_config(tc, *, device_bytes: int, max_model_len: int, eval_seqs: int
         activations=activations, activations_measured=measured, sampler=sampler_bytes(max(tc.b_gen, eval_seqs), cfg.vocab_size, tc.model.dtype,
                                                        filtered=g.filtered),
         reserve=reserve, alpha=alpha, b_gen=tc.b_gen, group_size=t.group_size,
-        fsdp_shards=world_size if t.parallel == "fsdp" else 1, num_kv_blocks=kv_blocks, micro_batch=micro)
+        fsdp_shards=world_size if t.parallel == "fsdp" else 1, num_kv_blocks=kv_blocks, micro_batch=micro,
+        lora_params=lora_params(cfg, tc.model))
     return plan.check() if check else plan
 
 

@@ -1,0 +1,206 @@
+"""PEFT's adapter format for rlengine's LoRA adapters (model/lora.py): the directory PEFT reads and writes.
+
+An adapter directory holds adapter_config.json and adapter_model.safetensors with one [r, C_in]
+lora_A and one [C_out, r] lora_B per targeted HF projection per layer, under PEFT's names
+(base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight). rlengine's fused adapters
+(one A stack and one block-diagonal B per rlengine projection) split into those tensors on save and
+are assembled from them on load. A trained LM head (modules_to_save = ["lm_head"], lora.SavedHead) is
+base_model.model.lm_head.weight, as PEFT saves its ModulesToSaveWrapper. peft itself is not needed at run time: the format is a JSON file and
+safetensors. Errors (ConfigError) name the file and what disagrees: another base model's shapes, a
+rank or target set that differs from the config, a LoRA variant rlengine does not compute (rslora,
+DoRA, biases, per-module ranks).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from rlengine.model.config import ConfigError
+from rlengine.model.lora import ADAPTER_ATTR, PROJECTIONS, SAVE_MODULES, LoraAdapter, LoraSpec, lora_spec
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+HEAD_NAME = f"{PREFIX}lm_head.weight"  # a trained head (modules_to_save), PEFT's key
+
+
+def _adapter_slots(model):
+    """(layer index, rlengine projection, adapter) for every adapter of `model`."""
+    for i, layer in enumerate(model.model.layers):
+        for proj, (owner, _) in PROJECTIONS.items():
+            adapter = getattr(getattr(layer, owner), ADAPTER_ATTR[proj], None)
+            if adapter is not None:
+                yield i, proj, adapter
+
+
+def _pieces(i: int, proj: str, adapter: LoraAdapter):
+    """(PEFT name of A, PEFT name of B, A rows slice, B (rows, cols) slices) per targeted HF projection."""
+    owner, hf_names = PROJECTIONS[proj]
+    names = [n for n, on in zip(hf_names, adapter.targeted) if on]
+    for name, (row0, col0, rows) in zip(names, adapter.blocks()):
+        base = f"{PREFIX}model.layers.{i}.{owner}.{name}"
+        cols = slice(col0, col0 + adapter.r)
+        yield f"{base}.lora_A.weight", f"{base}.lora_B.weight", cols, (slice(row0, row0 + rows), cols)
+
+
+def peft_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's adapters as PEFT's tensors (contiguous CPU copies, in the model's dtype)."""
+    out = {}
+    for i, proj, adapter in _adapter_slots(model):
+        A, B = adapter.lora_A.detach(), adapter.lora_B.detach()
+        for a_name, b_name, a_rows, b_block in _pieces(i, proj, adapter):
+            out[a_name] = A[a_rows].cpu().clone().contiguous()
+            out[b_name] = B[b_block].cpu().clone().contiguous()
+    if "lm_head" in lora_spec(model).modules_to_save:
+        out[HEAD_NAME] = model.lm_head.modules_to_save.weight.detach().cpu().clone().contiguous()
+    return out
+
+
+@torch.no_grad()
+def load_peft_tensors(model, tensors: dict[str, torch.Tensor], *, source: str = "adapter") -> None:
+    """Copy PEFT's tensors into the model's adapters in place (the block-diagonal zeros of B stay zero).
+    ConfigError for a missing, unexpected or wrongly shaped tensor (another base model, another rank)."""
+    tensors = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+               .replace(".modules_to_save.default.", "."): v for k, v in tensors.items()}
+    used = set()
+    spec = lora_spec(model)
+    if spec is not None and "lm_head" in spec.modules_to_save:
+        if HEAD_NAME not in tensors:
+            raise ConfigError(f"{source}: tensor {HEAD_NAME!r} is missing (modules_to_save names lm_head)")
+        dst = model.lm_head.modules_to_save.weight
+        if tuple(tensors[HEAD_NAME].shape) != tuple(dst.shape):
+            raise ConfigError(f"{source}: tensor {HEAD_NAME!r} has shape {tuple(tensors[HEAD_NAME].shape)}, this "
+                              f"base model needs {tuple(dst.shape)} (an adapter for another base model or vocabulary)")
+        dst.copy_(tensors[HEAD_NAME])
+        used.add(HEAD_NAME)
+    for i, proj, adapter in _adapter_slots(model):
+        for a_name, b_name, a_rows, b_block in _pieces(i, proj, adapter):
+            for name, dst in ((a_name, adapter.lora_A[a_rows]), (b_name, adapter.lora_B[b_block])):
+                if name not in tensors:
+                    raise ConfigError(f"{source}: tensor {name!r} is missing (an adapter for other target modules?)")
+                t = tensors[name]
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(t.shape)}, this base model and "
+                                      f"rank need {tuple(dst.shape)} (an adapter for another base model or shape)")
+                dst.copy_(t)
+                used.add(name)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ConfigError(f"{source}: {len(extra)} tensor(s) this model has no adapter for, e.g. {extra[0]!r} "
+                          "(an adapter for another base model, more layers or other target modules)")
+
+
+def adapter_config(spec: LoraSpec, base_model: str) -> dict:
+    """adapter_config.json's content for `spec` on `base_model` (a path or hub id)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": spec.r, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
+            "target_modules": list(spec.targets), "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+            "modules_to_save": list(spec.modules_to_save) or None, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None}
+
+
+def save_adapter(model, path: str | Path, *, base_model: str) -> Path:
+    """Write adapter_config.json and adapter_model.safetensors to `path` (temporary names, then renamed)."""
+    spec = lora_spec(model)
+    if spec is None:
+        raise ValueError("save_adapter: the model has no LoRA adapters")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / (WEIGHTS_NAME + ".tmp")
+    save_file(peft_tensors(model), str(tmp), metadata={"format": "pt"})
+    tmp.replace(path / WEIGHTS_NAME)
+    (path / CONFIG_NAME).write_text(json.dumps(adapter_config(spec, base_model), indent=2))
+    return path
+
+
+def read_adapter_spec(path: str | Path) -> LoraSpec:
+    """adapter_config.json of a PEFT adapter directory -> LoraSpec (ConfigError naming the file)."""
+    cfg_path = Path(path) / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise ConfigError(f"LoRA adapter {str(path)!r}: no {CONFIG_NAME} there (not a PEFT adapter directory)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{cfg_path}: not valid JSON ({exc})") from None
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"{cfg_path}: peft_type {raw.get('peft_type')!r}; only LORA adapters load")
+    for key, ok in (("use_rslora", False), ("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False)):
+        if raw.get(key, ok) != ok:
+            raise ConfigError(f"{cfg_path}: {key} = {raw[key]!r} is not supported (rlengine computes plain LoRA)")
+    for key in ("rank_pattern", "alpha_pattern", "layers_to_transform"):
+        if raw.get(key):
+            raise ConfigError(f"{cfg_path}: {key} is not supported (one rank and alpha on every layer)")
+    saved = raw.get("modules_to_save") or []
+    if raw.get("ensure_weight_tying") or raw.get("trainable_token_indices") or \
+            any(m not in SAVE_MODULES for m in saved):
+        raise ConfigError(f"{cfg_path}: modules_to_save {saved!r} / ensure_weight_tying / trainable_token_indices: "
+                          f"only modules_to_save = {list(SAVE_MODULES)!r} (an untied trained head) is supported")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ConfigError(f"{cfg_path}: target_modules as a regular expression is not supported; list the names")
+    return LoraSpec(r=int(raw["r"]), alpha=float(raw.get("lora_alpha", 8)), dropout=float(raw.get("lora_dropout", 0.0)),
+                    targets=tuple([targets] if isinstance(targets, str) else targets or ()),
+                    modules_to_save=tuple(saved))
+
+
+def load_adapter(model, path: str | Path) -> None:
+    """Fill the model's adapters (already added with the directory's spec) from adapter_model.safetensors."""
+    file = Path(path) / WEIGHTS_NAME
+    if not file.is_file():
+        raise ConfigError(f"LoRA adapter {str(path)!r}: no {WEIGHTS_NAME} there")
+    try:
+        tensors = load_file(str(file))
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError(f"{file}: cannot read safetensors file ({exc})") from None
+    load_peft_tensors(model, tensors, source=str(file))
+
+
+def job_lora_spec(section) -> LoraSpec | None:
+    """The adapter spec of a job's model section: model.lora_path's adapter_config.json when set (model.lora_r,
+    if also set, must agree with it), else model.lora_* (lora_spec_of); None without LoRA."""
+    from rlengine.model.lora import lora_spec_of
+
+    spec = lora_spec_of(section)
+    if not section.lora_path:
+        return spec
+    saved = read_adapter_spec(section.lora_path)
+    if spec is not None and (spec.r, spec.targets, spec.modules_to_save) != (saved.r, saved.targets,
+                                                                             saved.modules_to_save):
+        raise ConfigError(f"model.lora_path {section.lora_path!r} holds an adapter of r = {saved.r} on "
+                          f"{', '.join(saved.targets)} saving {list(saved.modules_to_save)}; model.lora_r / "
+                          f"lora_target_modules / lora_modules_to_save ask for r = {spec.r} on "
+                          f"{', '.join(spec.targets)} saving {list(spec.modules_to_save)} "
+                          "(leave model.lora_r at 0 to take the adapter's)")
+    return saved
+
+
+def attach_lora(model, section, *, base: str, seed: int = 0) -> LoraSpec | None:
+    """Add the job's adapters (job_lora_spec) to `model`, filled from model.lora_path when set, and record
+    the base it sits on (`base`: the model's path or preset name) for checkpoints; None without LoRA."""
+    from rlengine.model.lora import add_lora
+
+    spec = job_lora_spec(section)
+    if spec is None:
+        return None
+    add_lora(model, spec, seed=seed)
+    if section.lora_path:
+        load_adapter(model, section.lora_path)
+    model.lora_base = str(base)
+    return spec
+
+
+def load_lora(model, path: str | Path, *, base: str = "") -> LoraSpec:
+    """Add adapters to `model` as a PEFT adapter directory describes them and fill them from it (LLM's
+    lora_path). ConfigError for an adapter of another shape or a LoRA variant rlengine does not compute."""
+    from rlengine.model.lora import add_lora
+
+    spec = read_adapter_spec(path)
+    add_lora(model, spec)
+    load_adapter(model, path)
+    model.lora_base = str(base)
+    return spec
