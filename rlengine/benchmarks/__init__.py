@@ -21,6 +21,8 @@ BENCHMARKS = {
     "decode_profile": "a CPU decode step's parts (projections, attention, norms, sampler, host) per B_act and dtype, "
                       "against the linear floor and transformers",
     "shared_prefix": "decode step time with and without shared-prefix (cascade) decode for GRPO groups (CPU)",
+    "prefill": "a prefill forward (B prompts of S tokens) against transformers (sdpa), per dtype and length",
+    "learner": "the learner step (packed forward + log-prob + masked loss + backward) against transformers (sdpa)",
 }
 MICRO = ("paged_decode", "moe", "logprob", "packed_attention", "skinny_linear", "host_overhead", "batch_invariant",
          "decode_profile", "shared_prefix")

@@ -63,6 +63,11 @@ class PackedCausal:
     loop (B 8-128, L 64-256; the gain grows with B) and a whole qwen3-30m GRPO step 1.24-1.28x
     faster. A forward alone (the engine's prefill) was 0.72-1.38x, so CPU inference keeps the loop.
     layout="padded" / "loop" forces one (benchmarks, tests).
+    A CPU forward without autograd (the engine's prefill) in "auto" takes the implementation the
+    process's kernel choices (model/ops.KERNELS) measured fastest for its shape class: the loop
+    ("torch"), the padded call, or for bf16 the loop on fp32 copies ("upcast": torch's bf16 flash
+    kernel can be slower than its fp32 one on a CPU without AMX); see prefill_candidates. A pinned
+    table without the shape class keeps the loop (tables saved before this choice existed).
     """
 
     MAX_PAD_FACTOR = 2.0
@@ -79,6 +84,7 @@ class PackedCausal:
         total = cu_seqlens[-1] - cu_seqlens[0]
         self.can_pad = len(lens) > 1 and len(lens) * self.max_len <= self.MAX_PAD_FACTOR * total
         self._flat: torch.Tensor | None = None  # [T] row of each token in the padded [B * S_max] layout
+        self._impl: str | None = None  # the CPU no-grad implementation, chosen at the first attend()
 
     def _flat_index(self, device: torch.device) -> torch.Tensor:
         if self._flat is None or self._flat.device != device:
@@ -90,6 +96,9 @@ class PackedCausal:
         return self._flat
 
     def attend(self, layer_id, q_THD, k_TKD, v_TKD):
+        if (self.layout == "auto" and q_THD.device.type == "cpu" and not q_THD.requires_grad
+                and q_THD.dtype in (torch.float32, torch.bfloat16) and q_THD.shape[0] > 0):
+            return self._run(self._chosen(q_THD, k_TKD, v_TKD), q_THD, k_TKD, v_TKD)
         if len(self.bounds) == 1:
             return sdpa_causal(q_THD, k_TKD, v_TKD, self.scale)
         if self.layout == "auto":
@@ -98,6 +107,10 @@ class PackedCausal:
             padded = self.layout == "padded"
         if not padded:
             return torch.cat([sdpa_causal(q_THD[a:b], k_TKD[a:b], v_TKD[a:b], self.scale) for a, b in self.bounds])
+        return self._padded(q_THD, k_TKD, v_TKD)
+
+    def _padded(self, q_THD, k_TKD, v_TKD):
+        """One right-padded SDPA call over all sequences."""
         B, S = len(self.bounds), self.max_len
         flat = self._flat_index(q_THD.device)
 
@@ -108,3 +121,61 @@ class PackedCausal:
         o = F.scaled_dot_product_attention(pad(q_THD), pad(k_TKD), pad(v_TKD), is_causal=True, scale=self.scale,
                                            enable_gqa=True)
         return o.transpose(1, 2).reshape(B * S, *q_THD.shape[1:]).index_select(0, flat)
+
+    # ---- the CPU no-grad path: an implementation chosen by measurement (model/kernel_choice.py)
+
+    def _run(self, impl: str, q_THD, k_TKD, v_TKD):
+        if impl == "padded":
+            return self._padded(q_THD, k_TKD, v_TKD)
+        if impl == "upcast":  # fp32 copies in, the result rounded back to bf16
+            return self._loop(q_THD.float(), k_TKD.float(), v_TKD.float()).to(q_THD.dtype)
+        return self._loop(q_THD, k_TKD, v_TKD)
+
+    def _loop(self, q_THD, k_TKD, v_TKD):
+        if len(self.bounds) == 1:
+            return sdpa_causal(q_THD, k_TKD, v_TKD, self.scale)
+        return torch.cat([sdpa_causal(q_THD[a:b], k_TKD[a:b], v_TKD[a:b], self.scale) for a, b in self.bounds])
+
+    def _chosen(self, q_THD, k_TKD, v_TKD) -> str:
+        """This step's implementation (decided once per step: every layer has the same shapes)."""
+        if self._impl is None:
+            from rlengine.model.ops import KERNELS  # ops imports nothing of this module; lazy for import order
+            key = prefill_key(q_THD.dtype, len(self.bounds), self.max_len, q_THD.shape[1], k_TKD.shape[1],
+                              q_THD.shape[2])
+            impl = KERNELS.memo.get(key)
+            if impl is None and KERNELS.mode == "pinned" and key not in KERNELS.table:
+                impl = "torch"  # a table saved before this choice existed: the fixed rule it was saved with
+            if impl is None:
+                cands = {name: (lambda n=name: self._run(n, q_THD, k_TKD, v_TKD))
+                         for name in prefill_candidates(q_THD.dtype, self.can_pad)}
+                impl = KERNELS.choose(key, cands, rule="torch")
+                KERNELS.memo[key] = impl
+            self._impl = impl
+        return self._impl
+
+
+def prefill_candidates(dtype: torch.dtype, can_pad: bool) -> list[str]:
+    """The CPU no-grad causal attention implementations for a batch: "torch" (one SDPA per sequence,
+    torch's own op), "padded" (one right-padded SDPA, where padding at most doubles the work),
+    "upcast" (bf16: the per-sequence SDPA on fp32 copies)."""
+    return ["torch"] + (["padded"] if can_pad else []) + (["upcast"] if dtype == torch.bfloat16 else [])
+
+
+def prefill_key(dtype: torch.dtype, num_seqs: int, max_len: int, H: int, Hkv: int, D: int) -> str:
+    """The shape class of a causal-attention choice, e.g. "attention/bfloat16/S=512/B=4/16x8x128":
+    the longest sequence and the sequence count by kernel_choice.rows_class, the head shape exact."""
+    from rlengine.model.kernel_choice import rows_class
+    return (f"attention/{str(dtype).removeprefix('torch.')}/S={rows_class(max_len)}/B={rows_class(num_seqs)}/"
+            f"{H}x{Hkv}x{D}")
+
+
+def decide_prefill(cfg, dtype: torch.dtype, lengths: list[int], batches: list[int]) -> None:
+    """Make the CPU causal-attention choices of model config `cfg` for B prompts of S tokens (every B in
+    `batches`, S in `lengths`), now, on random inputs: fills model/ops.KERNELS (`rlengine info --kernels`)."""
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    with torch.inference_mode():
+        for S in lengths:
+            for B in batches:
+                q, k, v = (torch.randn(B * S, h, D, generator=g).to(dtype) for h in (H, Hkv, Hkv))
+                PackedCausal(list(range(0, B * S + 1, S)), D ** -0.5).attend(0, q, k, v)
