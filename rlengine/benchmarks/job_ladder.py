@@ -39,7 +39,8 @@ def _probe(config: str, b_gen: int, b_train: int, updates: int, skip: int, seed:
     from rlengine.rl.trainer import Trainer
 
     lead, end = probe_window(b_gen, b_train, skip, updates)
-    overrides = ["--train.lr", "0", "--gen.b_gen", str(b_gen), "--gen.max_lag", str(implied_max_lag(b_gen, b_train)),
+    overrides = ["--train.lr", "0", "--train.warmup_updates", "0", "--gen.b_gen", str(b_gen),
+                 "--gen.max_lag", str(implied_max_lag(b_gen, b_train)),
                  "--train.updates", str(end), "--eval.every", str(10 * end), "--eval.k", "1", "--task.num_eval", "16",
                  "--run.checkpoint_every", "0", "--run.progress", "false", "--run.seed", str(seed),
                  "--run.out_dir", str(out), "--run.overwrite", "true", *extra]
