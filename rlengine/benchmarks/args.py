@@ -48,6 +48,16 @@ def int_list(text: str, option: str) -> list[int]:
     return values
 
 
+def dtype_list(text: str, option: str = "--dtypes") -> list[torch.dtype]:
+    """"float32,bfloat16" -> [torch.float32, torch.bfloat16]; ConfigError naming the option otherwise."""
+    out = []
+    for d in text.split(","):
+        if d not in ("float32", "bfloat16"):
+            raise ConfigError(f"{option}: {d!r} is not float32 or bfloat16")
+        out.append(getattr(torch, d))
+    return out
+
+
 def check_args(args, *, positive: tuple[str, ...] = ()) -> torch.device:
     """Check --device, --backend, --profile-window and the integer options in `positive` (attribute
     names, each >= 1) of a parsed benchmark namespace; returns the device."""

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from rlengine.benchmarks.args import dtype_list
 from rlengine.benchmarks.harness import report
 from rlengine.benchmarks.hf_baseline import load_pair
 from rlengine.model.config import ConfigError
@@ -135,11 +136,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"{flag} must be >= {low}, got {value}")
     if args.seq_len <= args.prompt_len:
         raise ConfigError(f"--seq-len must exceed --prompt-len ({args.prompt_len}), got {args.seq_len}")
-    dtypes = []
-    for d in args.dtypes.split(","):
-        if d not in ("float32", "bfloat16"):
-            raise ConfigError(f"--dtypes: {d!r} is not float32 or bfloat16")
-        dtypes.append(getattr(torch, d))
+    dtypes = dtype_list(args.dtypes)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from rlengine.benchmarks.args import dtype_list
 from rlengine.benchmarks.harness import report
 from rlengine.model.config import ConfigError, preset
 from rlengine.telemetry.provenance import cpu_model
@@ -108,11 +109,7 @@ def main(argv=None) -> int:
         raise ConfigError(f"--lengths: {max(lengths)} exceeds {args.model}'s {cfg.max_position_embeddings} positions")
     if args.layers > cfg.num_hidden_layers:
         raise ConfigError(f"--layers {args.layers} exceeds {args.model}'s {cfg.num_hidden_layers} layers")
-    dtypes = []
-    for d in args.dtypes.split(","):
-        if d not in ("float32", "bfloat16"):
-            raise ConfigError(f"--dtypes: {d!r} is not float32 or bfloat16")
-        dtypes.append(getattr(torch, d))
+    dtypes = dtype_list(args.dtypes)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []

@@ -69,26 +69,35 @@ def get_reward(name: str) -> RewardFn:
     return REWARDS[name]
 
 
-def load_plugin(spec: str) -> RewardFn:
-    """The function named by `spec` = "package.module:function" (attribute paths "mod:obj.fn" too).
+def import_object(spec: str, where: str, error: type[Exception] = ConfigError, *, what: str = "function"):
+    """The object named by `spec` = "package.module:name" (attribute paths "mod:obj.fn" too): reward
+    plugins, environments (rl/env/api.py) and tools (rl/env/tools.py) load this way.
 
-    ConfigError naming the spec when the module does not import, the attribute is missing or it is
-    not callable. Imports run the module's top-level code, exactly as `import` would.
+    `error` (a ConfigError: one line, exit 2) prefixed with `where` when the spec is malformed, the
+    module does not import or the attribute is missing. Imports run the module's top-level code,
+    exactly as `import` would.
     """
     module_name, _, attr = spec.partition(":")
-    where = f"task.reward = {spec!r}"
     if not module_name or not attr:
-        raise ConfigError(f"{where}: a plugin is written 'package.module:function'")
+        raise error(f"{where}: a plugin is written 'package.module:{what}'")
     try:
         obj = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure of user code is a config error
-        raise ConfigError(f"{where}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from None
+        raise error(f"{where}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}")
+            raise error(f"{where}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    return obj
+
+
+def load_plugin(spec: str) -> RewardFn:
+    """The reward function named by `spec` = "package.module:function"; ConfigError naming the spec when
+    it does not import, is missing or is not callable."""
+    where = f"task.reward = {spec!r}"
+    obj = import_object(spec, where)
     if not callable(obj):
-        raise ConfigError(f"{where}: {attr!r} is a {type(obj).__name__}, not a callable")
+        raise ConfigError(f"{where}: {spec.partition(':')[2]!r} is a {type(obj).__name__}, not a callable")
     return obj
 
 

@@ -14,10 +14,10 @@ do (data/rewards.load_plugin). step() runs on the rollout loop's thread, between
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 
 from rlengine.model.config import ConfigError
+from rlengine.rl.data.rewards import import_object
 
 
 class EnvError(ConfigError):
@@ -84,18 +84,8 @@ def as_action(result, encode, where: str) -> tuple[str, list[int] | float, dict]
 
 def load_environment(spec: str):
     """The environment class (or factory) named "package.module:Name"; EnvError naming the spec otherwise."""
-    module_name, _, attr = spec.partition(":")
     where = f"env = {spec!r}"
-    if not module_name or not attr:
-        raise EnvError(f"{where}: an environment is written 'package.module:Name'")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure of user code is a config error
-        raise EnvError(f"{where}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise EnvError(f"{where}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_object(spec, where, EnvError, what="Name")
     if not callable(obj):
-        raise EnvError(f"{where}: {attr!r} is a {type(obj).__name__}, not a class or callable")
+        raise EnvError(f"{where}: {spec.partition(':')[2]!r} is a {type(obj).__name__}, not a class or callable")
     return obj

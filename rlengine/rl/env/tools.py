@@ -13,11 +13,11 @@ values are shown as JSON). Every failure to load is a ToolError (a ConfigError: 
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass
 from typing import Callable
 
+from rlengine.rl.data.rewards import import_object
 from rlengine.rl.env.api import EnvError
 
 JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
@@ -110,15 +110,7 @@ def load_tool(spec: str) -> Tool:
             raise ToolError(f"{where}: unknown tool; built-in: {', '.join(sorted(BUILTIN_TOOLS))}, or a plugin "
                             "'package.module:function'")
         return BUILTIN_TOOLS[spec]
-    module_name, _, attr = spec.partition(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any import failure of user code is a config error
-        raise ToolError(f"{where}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ToolError(f"{where}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = import_object(spec, where, ToolError)
     if isinstance(obj, Tool):
         return obj
     if not callable(obj) or getattr(obj, "tool_schema", None) is None:
