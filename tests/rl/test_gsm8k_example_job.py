@@ -28,7 +28,7 @@ def test_bare_name_resolves_to_the_packaged_config(tmp_path):
     assert (cfg.model.dtype, cfg.gen.max_tokens, cfg.train.lr, cfg.train.kl_coef) == ("bfloat16", 512, 1e-6, 0.0)
     with pytest.raises(ConfigError, match="model.name is required"):
         load_job_config("gsm8k")
-    with pytest.raises(ConfigError, match=r"no packaged config of that name \(packaged: grpo, grpo_long, gsm8k, ppo"):
+    with pytest.raises(ConfigError, match=r"no packaged config of that name \(packaged: grpo, grpo_long, grpo_tools, gsm8k, ppo"):
         load_job_config("nosuchjob")
     assert load_job_config("grpo").task.name == "first-digit"  # the existing bundled configs resolve by name too
 

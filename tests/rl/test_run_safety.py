@@ -303,6 +303,7 @@ def test_signal_during_the_warm_start_is_one_line_exit_130_and_resumable(signum,
         time.sleep(5)  # the handler raises before this ends
         raise AssertionError("the signal did not stop the warm start")
 
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)  # SIG_IGN when started in the background
     monkeypatch.setattr(loop_module, "format_warmstart", signalled)
     out = tmp_path / "run"
     code = main(["train", *SHORT_RUN, *EXTRA, "--run.out_dir", str(out)])
@@ -311,7 +312,7 @@ def test_signal_during_the_warm_start_is_one_line_exit_130_and_resumable(signum,
     assert err[-1] == (f"{signal.Signals(signum).name}: interrupted before the first update (no checkpoint yet); "
                        f"start it over with: rlengine train --resume {out}")
     assert resume_config(out).run_dir == str(out)  # the resume the line names is accepted (it starts over)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # handlers restored
 
 
 def test_resume_forks_into_a_new_directory_and_leaves_the_source_alone(full, tmp_path):
