@@ -59,7 +59,8 @@ class OutputProcessor:
                 ids[at] = token
             seq.logprobs.append(logprob)
             seq.versions.append(version)
-            seq.roles.append(1)
+            if seq.multi_turn:  # roles are a trajectory's only: no per-token append for the others
+                seq.roles.append(1)
             if top is not None and seq.top_logprobs is not None:
                 seq.top_logprobs.append(self._logprob_entry(top[0][i], top[1][i], seq.params.logprobs, token,
                                                             logprob, top[2][i], seq.params))

@@ -65,7 +65,7 @@ class Sequence:
         self.top_logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.multi_turn = False                 # a trajectory: a stop pauses it instead of finishing it
         self.num_cached = 0                     # leading tokens whose K/V the cache holds (a chunk prefill's start)
-        self.roles: list[int] = []              # per token after the prompt: 1 model, 0 observation
+        self.roles: list[int] = []              # multi-turn only: per token after the prompt, 1 model, 0 observation
         self.turn_start = len(prompt)           # index in token_ids of the current model turn's first token
         self.void_outputs = 0                   # async: outputs of steps launched past its turn's end, to skip
 
@@ -88,4 +88,5 @@ class Sequence:
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         self.versions.append(version)
-        self.roles.append(1)
+        if self.multi_turn:
+            self.roles.append(1)
