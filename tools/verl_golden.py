@@ -11,10 +11,11 @@ float64 inputs (seeded; masked observation tokens inside responses, right paddin
 a tie at the top, G = 1, responses of length 1); the losses also give d loss / d log_prob. Rollout
 correction (verl/trainer/ppo/rollout_corr_helper.py: IS weights, rejection masks, off-policy metrics)
 runs on learner / engine log-probs with padding, lag and extreme ratios, and the per-token sum of
-squared probabilities (verl/utils/torch_functional.py) on tempered logits. The fixture
+squared probabilities (verl/utils/torch_functional.py) on tempered logits, and remax with the per-prompt
+greedy rewards its trainer repeats over each prompt's samples. The fixture
 (JSON, floats written with repr precision) holds the inputs, the verl settings and the outputs;
-tests/rl/test_verl_parity.py, test_rollout_correction.py and test_token_baseline.py compare rlengine
-against it. clip_cov draws its tokens at random
+tests/rl/test_verl_parity.py, test_rollout_correction.py, test_token_baseline.py, test_gdpo.py and
+test_remax.py compare rlengine against it. clip_cov draws its tokens at random
 (torch.randperm) only among more candidates than it keeps; its cases keep every candidate, so the
 values do not depend on the draw.
 """
@@ -298,6 +299,27 @@ def run_gdpo(ca, OmegaConf, gen):
     return out
 
 
+def run_remax(ca, gen):
+    """verl's compute_remax_outcome_advantage: the reward-to-go minus reward_baselines [B] (the trainer scores
+    one greedy response per prompt and repeats it over the prompt's samples), on rows with observation holes
+    and padding; outcome rewards (groups of 4, groups of one) and dense per-token rewards."""
+    out = []
+    for case, lengths, index, dense in (("groups", [5, 3, 7, 7, 2, 6, 4, 7], [0] * 4 + [1] * 4, False),
+                                        ("g1", [4, 1, 6], [0, 1, 2], False),
+                                        ("dense", [6, 2, 7, 5], [0, 0, 1, 1], True)):
+        mask = _rows(lengths, {2: [(2, 4)]}, 8)
+        scores = torch.rand(len(lengths), generator=gen, dtype=torch.float64)
+        rewards = token_rewards(mask, scores, gen, dense=dense)
+        greedy = torch.rand(max(index) + 1, generator=gen, dtype=torch.float64)
+        baselines = greedy[torch.tensor(index)]  # repeated over each prompt's samples, as ray_trainer does
+        adv, returns = ca.get_adv_estimator_fn("remax")(token_level_rewards=rewards.clone(),
+                                                        reward_baselines=baselines, response_mask=mask)
+        out.append({"estimator": "remax", "case": case, "rewards": rewards.tolist(), "mask": mask.tolist(),
+                    "index": index, "reward_baselines": baselines.tolist(), "advantages": adv.tolist(),
+                    "returns": returns.tolist()})
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="tests/rl/fixtures/verl_core_algos.json")
@@ -310,7 +332,7 @@ def main():
                "estimators": run_estimators(ca, OmegaConf, gen),
                "losses": run_losses(ca, ActorConfig, PolicyLossConfig, gen),
                "rollout_correction": run_rollout_correction(gen), "sum_pi_squared": run_sum_pi_squared(gen),
-               "gdpo": run_gdpo(ca, OmegaConf, gen)}
+               "gdpo": run_gdpo(ca, OmegaConf, gen), "remax": run_remax(ca, gen)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(fixture, indent=None, separators=(",", ":")) + "\n")
     print(f"{args.out}: {len(fixture['estimators'])} estimator cases, {len(fixture['losses'])} loss cases, "

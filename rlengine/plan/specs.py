@@ -39,6 +39,7 @@ class RolloutSpec:
     token_credit: bool           # per-token credit (train.credit = "token")
     overlong: str                # none | mask | soft
     overlong_buffer: int         # DAPO's L_cache (soft), resolved from gen.max_tokens when 0
+    greedy_baseline: bool = False  # one greedy response per prompt beside its group (remax's baseline)
 
     @property
     def async_mode(self) -> bool:
@@ -98,7 +99,8 @@ def resolve_rollout(cfg: TrainConfig) -> RolloutSpec:
     return RolloutSpec(group_size=t.group_size, prompts_per_step=t.prompts_per_step, b_train=t.b_train,
                        b_gen=cfg.b_gen, max_lag=g.max_lag, max_tokens=g.max_tokens,
                        dynamic_sampling=t.dynamic_sampling and t.algorithm.group_relative,
-                       token_credit=t.credit == "token", overlong=t.overlong, overlong_buffer=cfg.overlong_buffer)
+                       token_credit=t.credit == "token", overlong=t.overlong, overlong_buffer=cfg.overlong_buffer,
+                       greedy_baseline=t.algorithm.estimator.greedy_baseline)
 
 
 def resolve_learner(cfg: TrainConfig, micro_batch: int) -> LearnerSpec:

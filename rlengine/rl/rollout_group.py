@@ -33,6 +33,10 @@ class RolloutGroup:
     turns: list[list[tuple[str, int, int]]] = field(default_factory=list)  # [G] (role, start, end) segments
     end_reasons: list[str] = field(default_factory=list)  # [G] "env" or the limit that cut the trajectory
     components: dict = field(default_factory=dict)  # key -> [G] named components of a dict-returning reward
+    # remax (rollout/baseline.py): the prompt's greedy response, decoded beside the group, and its reward,
+    # the advantage baseline; never trained on. None / []: no greedy baseline
+    baseline: float | None = None
+    baseline_ids: list[int] = field(default_factory=list)
 
     def lag(self, version: int) -> int:
         """Policy lag: updates between the oldest token of the group and the consuming update."""

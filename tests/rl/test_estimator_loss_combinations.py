@@ -31,6 +31,7 @@ def rollouts():
     gen = torch.Generator().manual_seed(7)
     for g in groups:
         g.rewards = torch.rand(G, generator=gen).tolist()
+        g.baseline = 0.5  # the reward of the prompt's greedy response, which remax reads (rollout/baseline.py)
     return model, groups
 
 

@@ -75,9 +75,10 @@ def test_loss_and_gradient_match_verl(case):
 
 
 def test_every_registered_verl_name_has_fixture_cases():
-    # gdpo reads named reward components: its cases are the fixture's "gdpo" part (tests/rl/test_gdpo.py)
-    gdpo = {c["estimator"] for c in FIXTURE["gdpo"]}
-    assert {c["estimator"] for c in ESTIMATOR_CASES} | gdpo == set(ESTIMATORS) - {"grpo", "gae"}
+    # gdpo reads named reward components, remax greedy baselines: their cases are the fixture's "gdpo" and
+    # "remax" parts (tests/rl/test_gdpo.py, tests/rl/test_remax.py)
+    apart = {c["estimator"] for c in FIXTURE["gdpo"] + FIXTURE["remax"]}
+    assert {c["estimator"] for c in ESTIMATOR_CASES} | apart == set(ESTIMATORS) - {"grpo", "gae"}
     assert {c["loss"] for c in LOSS_CASES} == set(POLICY_LOSSES)
 
 

@@ -7,7 +7,7 @@ by verl's names. Two shapes:
   token fns  fn(rewards_BT, mask_BT, index_B, opts) -> [B, T]: right-aligned response rows, rewards per
              token (the outcome on the last model token), mask 0 on padding and on observation tokens
              of multi-turn trajectories, index_B the prompt (group) of each row (opo, reinforce_plus_plus,
-             reinforce_plus_plus_baseline, optimal_token_baseline).
+             reinforce_plus_plus_baseline, optimal_token_baseline, remax).
 Every function computes in its input's dtype (fp32 in training, fp64 in the verl parity tests), is
 no-grad arithmetic, and gives exactly 0 on masked tokens. Differences from verl, kept on purpose:
 an all-equal group gets exact zeros where verl leaves a rounding residue (~1e-16), and a whitening
@@ -199,3 +199,13 @@ def gdpo(rewards_BT: Tensor, mask_BT: Tensor, index_B, opts, *, components_B: di
                 norm[rows] = (s - s.mean()) / (s.std() + eps) if normalize else s - s.mean()
         total = total + torch.tensor(w, dtype=torch.float32).item() * norm.to(m.dtype)
     return masked_whiten(total[:, None] * m, m) * m
+
+
+def remax(rewards_BT: Tensor, mask_BT: Tensor, index_B=None, opts=None, *, baseline_B: Tensor) -> Tensor:
+    """ReMax (Li et al. 2023): the reward-to-go sum_{t' >= t} r_t' minus the reward of the prompt's greedy
+    (argmax) response, baseline_B [B] (each response carries its prompt's; rollout/baseline.py decodes
+    and scores it). No groups, no whitening: works with G = 1. verl leaves the return on masked tokens
+    inside a response (observation tokens, which no loss reads); here they are 0 like every masked token."""
+    r, m = _float(rewards_BT), _float(mask_BT)
+    returns = (r * m).flip(-1).cumsum(-1).flip(-1)
+    return (returns - _float(torch.as_tensor(baseline_B)).to(r.device)[:, None]) * m

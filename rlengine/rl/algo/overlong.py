@@ -12,7 +12,8 @@ reward judges an unfinished answer. train.overlong chooses:
                        ((L_max - L_cache) - |y|) / L_cache  L_max - L_cache < |y| <= L_max
                        -1                                 L_max < |y|
 The task's score stays in RolloutGroup.scores (dynamic sampling and the prompt sampler already
-used it); the shaped value replaces RolloutGroup.rewards, which advantages are computed from.
+used it); the shaped value replaces RolloutGroup.rewards, which advantages are computed from. A greedy
+baseline's reward (remax: RolloutGroup.baseline) is shaped by its own length alike.
 """
 
 from __future__ import annotations
@@ -47,4 +48,6 @@ def shape_overlong(groups: list[RolloutGroup], mode: str, *, max_tokens: int, bu
             pens = [soft_overlong_penalty(len(c), max_tokens, buffer) for c in g.completions]
             g.rewards = [r + p for r, p in zip(g.rewards, pens)]
             penalty += sum(pens)
+            if g.baseline is not None:  # the baseline is the same reward of another response
+                g.baseline += soft_overlong_penalty(len(g.baseline_ids), max_tokens, buffer)
     return overlong, penalty

@@ -16,7 +16,8 @@ Signatures. An outcome estimator (critic=False) maps [P, G] fp32 rewards and the
 maps one group's per-token credits to per-token advantages (train.credit = "token"). An estimator
 that needs per-token rewards or the response mask (response lengths, discounted returns, whitening
 over tokens) has fn = None and a token_level_fn(rewards_BT, mask_BT, index_B, opts) -> [B, T]
-(estimators.py); with `components` it also gets the named reward components (gdpo), with `needs` the
+(estimators.py); with `components` it also gets the named reward components (gdpo), with
+`greedy_baseline` the reward of each prompt's greedy response (remax: the collector decodes it), with `needs` the
 learner calls it in Learner.prepare with inputs of its own pre-update pass (optimal_token_baseline's
 sum of squared probabilities). A critic estimator's fn is GAE-shaped (rewards_BT, values_BT, mask_BT, *, gamma, lam)
 and runs in the learner, which owns the values. A policy loss has losses.policy_loss's signature plus
@@ -56,6 +57,9 @@ class Estimator:
     # old_logp_BT and sum_pi_squared_BT) in Learner.prepare, from its pre-update pass
     needs: tuple[str, ...] = ()
     components: bool = False        # token-level fn also takes components_B: the named reward components (gdpo)
+    # the rollout decodes one greedy response per prompt (rollout/baseline.py); the token-level fn takes
+    # its reward as baseline_B [B] (remax)
+    greedy_baseline: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,11 +112,11 @@ ALGORITHMS: dict[str, Algorithm] = {}
 
 def register_estimator(name: str, *, critic: bool = False, group_relative: bool = True,
                        token_fn: Callable | None = None, token_level: bool = False, needs: tuple[str, ...] = (),
-                       components: bool = False):
+                       components: bool = False, greedy_baseline: bool = False):
     """Decorator: register fn as the advantage estimator `name` (token_level: fn is a token_level_fn)."""
     def add(fn):
         ESTIMATORS[name] = Estimator(name, None if token_level else fn, critic, group_relative and not critic,
-                                     token_fn, fn if token_level else None, needs, components)
+                                     token_fn, fn if token_level else None, needs, components, greedy_baseline)
         return fn
     return add
 
@@ -200,6 +204,7 @@ register_estimator("opo", token_level=True)(estimators.opo)
 register_estimator("reinforce_plus_plus_baseline", token_level=True)(estimators.reinforce_plus_plus_baseline)
 register_estimator("reinforce_plus_plus", token_level=True, group_relative=False)(estimators.reinforce_plus_plus)
 register_estimator("gdpo", token_level=True, components=True)(estimators.gdpo)
+register_estimator("remax", token_level=True, group_relative=False, greedy_baseline=True)(estimators.remax)
 register_estimator("optimal_token_baseline", token_level=True,
                    needs=("sum_pi_squared",))(estimators.optimal_token_baseline)
 register_policy_loss("gspo")(policy_losses.gspo)

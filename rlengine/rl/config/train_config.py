@@ -41,6 +41,10 @@ class TrainConfig:
                f"env.max_turn_tokens ({self.env.max_turn_tokens}) must be <= gen.max_tokens ({self.gen.max_tokens}), "
                "a trajectory's whole budget after its prompt")
         t = self.train
+        _check(not (t.algorithm.estimator.greedy_baseline and self.env.name),
+               f"train.adv_estimator = {t.algorithm.estimator_name!r} decodes one greedy single-turn response per "
+               f"prompt as its baseline; multi-turn rollouts (env.name = {self.env.name!r}) have none: "
+               "leave env.name empty")
         if t.overlong == "soft":
             _check(self.overlong_buffer <= self.gen.max_tokens,
                    f"train.overlong_buffer ({self.overlong_buffer}) must be <= gen.max_tokens ({self.gen.max_tokens})")

@@ -164,10 +164,22 @@ def estimate_batch(groups: list[RolloutGroup], estimator, opts, *, token_credit:
             keys = {k for g in groups for k in g.components}
             fn = functools.partial(fn, components_B={k: torch.tensor(
                 [v for g in groups for v in g.components.get(k, [0.0] * len(g.completions))]) for k in keys})
+        if estimator.greedy_baseline:  # remax: each response gets its prompt's greedy reward, [B] packing order
+            fn = functools.partial(fn, baseline_B=greedy_baselines(groups))
         return _token_level(groups, fn, opts)
     rewards_PG = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
     token_adv = [a for g in groups for a in estimator.token_fn(g.token_credits, opts)] if token_credit else None
     return _flatten(groups, estimator.fn(rewards_PG, opts), token_adv)
+
+
+def greedy_baselines(groups: list[RolloutGroup]) -> torch.Tensor:
+    """[B] float32: each response's group baseline (RolloutGroup.baseline), in packing order; ValueError
+    naming the group when the rollout decoded none (the collector was built without greedy baselines)."""
+    missing = [g.problem_index for g in groups if g.baseline is None]
+    if missing:
+        raise ValueError(f"the estimator needs each prompt's greedy baseline, but groups of problems {missing} "
+                         "have none (RolloutCollector needs baselines=GreedyBaselines(...))")
+    return torch.tensor([g.baseline for g in groups for _ in g.completions], dtype=torch.float32)
 
 
 def _token_level(groups: list[RolloutGroup], fn, opts) -> TrainBatch:

@@ -17,7 +17,8 @@ wave; async: after the next engine step, or at once when the pending ones could 
 batch — so the run is the same whether rewards run in this process or in worker processes.
 Multi-turn (env = a TrajectoryDriver, rl/env/): each sample is a trajectory resident in the engine;
 after every engine step the driver hands ended turns to their environments, and a finished request's
-rewards are its environments' (no reward calls); rollout/trajectories.py builds its group.
+rewards are its environments' (no reward calls); rollout/trajectories.py builds its group. With greedy
+baselines (remax), each prompt's argmax response is decoded beside its group (rollout/baseline.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from rlengine.rl.data.rewards import RewardCall
 from rlengine.rl.data.scoring import RewardScorer
 from rlengine.rl.algo.advantages import token_credits_uniform
 from rlengine.rl.data.tasks import Problem, Task, assign_token_credits
+from rlengine.rl.rollout.baseline import GreedyBaselines
 from rlengine.rl.rollout.trajectories import group_from_trajectories
 
 
@@ -96,6 +98,7 @@ class CollectStats:
     rewards: list = field(default_factory=list)  # rewards of the batch's responses on ALL ranks, in order
     scores: list = field(default_factory=list)   # THIS rank's scored rewards, before the filter / lag check
     trajectory_counts: dict = field(default_factory=dict)  # multi-turn: TrajectoryDriver.snapshot() (running totals)
+    greedy_baselines: bool = False       # the groups carry greedy baselines (remax; the same on every rank)
 
     @property
     def retained_fraction(self) -> float:
@@ -124,12 +127,13 @@ class RolloutCollector:
                  params: SamplingParams, sampler: PrioritySampler, dynamic_sampling: bool, max_lag: int,
                  max_filter_factor: int = 8, max_reward_error_frac: float = 0.01, dist: Dist | None = None,
                  seed: int = 0, runner=None, encode_prompt: Callable[[str], list[int]] | None = None,
-                 token_credit: bool = False, env=None):
+                 token_credit: bool = False, env=None, baselines: GreedyBaselines | None = None):
         """runner: where reward calls run (reward_pool.InlineRunner / RewardPool; default: in this process
         with task.reward_fn). encode_prompt: prompt text -> token ids (default tokenizer.encode; the
         trainer passes the chat-template encoder). token_credit (train.credit = "token"): groups carry
         their per-token credits, and dynamic sampling drops a group only when those give no signal.
-        env: a rl.env.TrajectoryDriver for multi-turn rollouts (None: one completion per sample)."""
+        env: a rl.env.TrajectoryDriver for multi-turn rollouts (None: one completion per sample).
+        baselines: greedy baselines over this engine (remax; single-turn only)."""
         self.dist = dist or Dist()
         self.seed = seed
         self.next_request = 0                         # global request index of the next coupled submission
@@ -152,6 +156,7 @@ class RolloutCollector:
         self.pending: deque[_PendingGroup] = deque()  # finished, scoring submitted, not yet applied (async)
         self.applicable = 0                           # pending groups submitted before the last engine step
         self.env = env
+        self.baselines = baselines
 
     @property
     def async_mode(self) -> bool:
@@ -164,7 +169,10 @@ class RolloutCollector:
 
     def _add(self, prompt: list[int], params: SamplingParams, idx: int) -> str:
         if self.env is None:
-            return self.llm.add_request(prompt, params)
+            rid = self.llm.add_request(prompt, params)
+            if self.baselines is not None:  # remax: the prompt's greedy response, decoded beside its group
+                self.baselines.add(rid, prompt, self.task.train[idx])
+            return rid
         rid = self.llm.add_request(prompt, self.env.first_turn(params), multi_turn=True)
         self.env.add(rid, params.n, self.task.train[idx])
         return rid
@@ -174,7 +182,7 @@ class RolloutCollector:
         outs = self.llm.step()
         if self.env is not None:
             self.env.advance(self.llm)
-        return outs
+        return outs if self.baselines is None else self.baselines.take(outs)
 
     def collect(self, stats: CollectStats) -> list[RolloutGroup]:
         """Step the engine until B_train responses (P groups) are retained; returns exactly P groups.
@@ -185,6 +193,7 @@ class RolloutCollector:
         Raises RewardError when more than max_reward_error_frac of the responses scored in this
         call had a failing reward.
         """
+        stats.greedy_baselines = self.baselines is not None
         if not self.async_mode:
             return self._collect_coupled(stats)
         need = self.b_train // self.G // self.dist.world
@@ -295,6 +304,8 @@ class RolloutCollector:
             if version - oldest > self.max_lag:
                 self.llm.abort_request(rid)
                 del self.in_flight[rid]
+                if self.baselines is not None:
+                    self.baselines.abort(rid)
                 if self.env is not None:
                     self.env.drop(rid)
                 stats.stale_aborted += 1
@@ -336,6 +347,8 @@ class RolloutCollector:
                             [c.finish_reason for c in out.outputs],
                             [c.routing_ids for c in out.outputs if c.routing_ids is not None],
                             scorer.errors - errors_before)
+        if self.baselines is not None:
+            self.baselines.finish(group, out.request_id)
         # a dict-returning reward's named components, per response (gdpo reads them; a failed call: 0.0)
         group.components = {k: [o.components.get(k, 0.0) for o in outcomes]
                             for k in sorted({k for o in outcomes for k in o.components})}
@@ -365,6 +378,8 @@ class RolloutCollector:
                 self.env.drop(rid)
         self.in_flight.clear()
         self.request_index.clear()
+        if self.baselines is not None:
+            self.baselines.drain()
         for p in self.pending:  # finished but not applied: like unconsumed `ready` groups, not saved
             if p.trajectories is None:
                 self.runner.discard(p.ticket)

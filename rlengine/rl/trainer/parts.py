@@ -29,6 +29,7 @@ from rlengine.rl.data.tasks import Task, build_task
 from rlengine.rl.distributed import Dist
 from rlengine.rl.env.build import JobEnv
 from rlengine.rl.learner.learner import Learner
+from rlengine.rl.rollout.baseline import GreedyBaselines
 from rlengine.rl.rollout.collector import PrioritySampler, RolloutCollector
 from rlengine.rl.rollout.evaluation import EvalSet, Evaluator, build_eval_sets
 from rlengine.plan.job import plan_job
@@ -157,7 +158,8 @@ def build_parts(cfg: TrainConfig, dist: Dist, *, pinned_micro_batch: int | None 
                                  max_lag=r.max_lag, max_reward_error_frac=cfg.task.max_reward_error_frac, dist=dist,
                                  seed=cfg.run.seed, runner=rewards, encode_prompt=encode,
                                  token_credit=r.token_credit,
-                                 env=job_env.driver("rollout") if job_env is not None else None)
+                                 env=job_env.driver("rollout") if job_env is not None else None,
+                                 baselines=GreedyBaselines(llm, tok, rewards, params) if r.greedy_baseline else None)
     evaluator = Evaluator(eval_llm, encode, eval_rewards, tok, eval_sets, cfg.eval, max_tokens=g.max_tokens,
                           seed=cfg.run.seed, max_error_frac=cfg.task.max_reward_error_frac, dist=dist,
                           env=job_env.driver("eval") if job_env is not None else None)

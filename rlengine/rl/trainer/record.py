@@ -20,6 +20,7 @@ import torch
 
 from rlengine.model.config import ConfigError
 from rlengine.rl.distributed import Dist
+from rlengine.rl.rollout.baseline import baseline_metrics
 from rlengine.rl.rollout.collector import CollectStats
 from rlengine.rl.rollout.trajectories import trajectory_metrics
 from rlengine.rl.trainer.run_outputs import replace_lines
@@ -88,6 +89,7 @@ def update_record(*, update: int, n: int, critic_only: bool, b_train: int, stats
         "preemptions": boundary.preemptions,
         "overlong_frac": overlong / max(seqs, 1.0), **stats.reward_components,
         **trajectory_metrics(groups, stats.trajectory_counts),  # multi-turn rollouts only (rollout/trajectories.py)
+        **(baseline_metrics(groups, dist) if stats.greedy_baselines else {}),  # remax (rollout/baseline.py)
     }
     if soft_overlong:
         record["overlong_penalty_mean"] = penalty / max(seqs, 1.0)
