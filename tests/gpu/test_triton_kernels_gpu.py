@@ -185,6 +185,32 @@ def test_fused_moe_bf16_qwen3_30b_a3b_shape(T, block_m):
         assert_rel_norm(g.float(), g_ref.float(), MOE_REL_NORM, f"grad {name}")
 
 
+@pytest.mark.parametrize("T", [64, 2048], ids=["T64_shared_tiles", "T2048_tuned_tiles"])
+def test_fused_moe_sorted_backward_bf16_qwen3_30b_a3b_shape(T):
+    """The "sorted" backward (fused_moe_bwd.py) at the model shape in bf16, tuned tiles at T=2048, against the
+    loop over experts; after its first call (tuning) a second call makes no host sync."""
+    C, F_, E, K = QWEN3_30B_A3B.values()
+    gen = torch.Generator(device=DEVICE).manual_seed(T)
+    randn = lambda *s: torch.randn(*s, device=DEVICE, generator=gen)  # noqa: E731
+    top, ids = randn(T, E).topk(K, dim=1)
+    leaves = [randn(T, C), randn(E, 2 * F_, C) / C**0.5, randn(E, C, F_) / F_**0.5, torch.softmax(top, dim=1)]
+    leaves = [t.to(torch.bfloat16).requires_grad_() for t in leaves]
+    dy = randn(T, C).to(torch.bfloat16)
+    torch.autograd.grad(fm.fused_moe(*leaves, ids, backward="sorted"), leaves, dy)  # compile and tune
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = fm.fused_moe(*leaves, ids, backward="sorted")
+        grads = torch.autograd.grad(y, leaves, dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    y_ref = fm.fused_moe_ref(*leaves, ids)
+    grads_ref = torch.autograd.grad(y_ref, leaves, dy)
+    assert_rel_norm(y.float(), y_ref.float(), MOE_REL_NORM, "y")
+    for name, g, g_ref in zip(("x", "w13", "w2", "topk_weights"), grads, grads_ref):
+        assert_rel_norm(g.float(), g_ref.float(), MOE_REL_NORM, f"grad {name}")
+
+
 def test_gpu_bf16_no_host_sync():
     """bf16 on the GPU vs the reference, with CUDA sync debug mode making any sync an error."""
     (x, w13, w2, tw), ids, dy = make_inputs(T=300, C=256, F=128, E=16, K=4, dtype=torch.bfloat16, seed=4)

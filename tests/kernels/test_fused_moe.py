@@ -10,6 +10,7 @@ import torch
 
 from rlengine.kernels import fused_moe as fm
 from rlengine.kernels import moe_align as ma
+from rlengine.kernels import moe_gemm as gemm
 from rlengine.kernels.moe_align import max_padded_rows, moe_align, moe_align_block_size, moe_align_ref
 
 from tests.support.moe_cases import ALIGN_CASES, make_inputs, make_routing
@@ -20,9 +21,9 @@ SMALL = fm.MoEConfig(block_m=16, block_n=16, block_k=16, num_warps=4, wgrad_bloc
 DTYPES = [torch.float32, torch.float16]
 
 
-def check_against_ref(leaves, ids, dy):
+def check_against_ref(leaves, ids, dy, backward="v1"):
     """Forward and all four gradients of fused_moe vs fused_moe_ref, same upstream dy."""
-    y = fm.fused_moe(*leaves, ids)
+    y = fm.fused_moe(*leaves, ids, backward=backward)
     grads = torch.autograd.grad(y, leaves, dy)
     y_ref = fm.fused_moe_ref(*leaves, ids)
     grads_ref = torch.autograd.grad(y_ref, leaves, dy)
@@ -91,7 +92,7 @@ def test_poisoned_buffers_and_neighbours(monkeypatch):
         big[dim0_before:-1] = t.detach()
         return big[dim0_before:-1].requires_grad_()
 
-    monkeypatch.setattr(fm, "_alloc", nan_alloc)
+    monkeypatch.setattr(gemm, "alloc", nan_alloc)
     leaves = [padded(x, 0), padded(w13, 1), padded(w2, 1), padded(tw, 0)]
     with fm.pin_config(SMALL):
         check_against_ref(leaves, ids, padded(dy, 0).detach())

@@ -10,11 +10,13 @@ torch._grouped_mm rate for the same T and mode (the goal for fwd+bwd at training
 Without a GPU it runs one small fp32 shape with the reference only and says so.
 
     python bench/bench_moe.py [--grid "T=256,4096,32768"] [--ceilings ceilings.json] [--out DIR]
+    rlengine bench moe --breakdown [...]   time and TFLOP/s per launch (micro/moe_breakdown.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -105,10 +107,18 @@ def run(tokens, shape, dtype, device, providers, *, ref_max_tokens, ceilings, nc
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--breakdown" in argv:  # its own options: rlengine/benchmarks/micro/moe_breakdown.py
+        from rlengine.benchmarks.micro.moe_breakdown import BenchInputs, main as breakdown
+
+        bench = BenchInputs(make_inputs=make_inputs, reference=grouped_mm_moe, shape=QWEN3_30B_A3B, cpu_shape=CPU_SHAPE)
+        return breakdown([a for a in argv if a != "--breakdown"], bench)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     on_gpu = torch.cuda.is_available()
     add_sweep_args(parser, "T=256,4096,32768" if on_gpu else "T=64,256", PROVIDERS)
     parser.add_argument("--ref-max-tokens", type=int, default=4096, help="skip the reference loop above this T")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="time and TFLOP/s per launch instead (see --breakdown --help)")
     args = parser.parse_args(argv)
     columns = ["T", "provider", "mode", "ms", "p10_ms", "p90_ms", "tflops", "vs_grouped_mm", "peak_mb", "extra_mb",
                "skipped"]
