@@ -174,26 +174,11 @@ void tile_rows(const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* 
 }
 
 // p[j] = exp(p[j] - mx[j]) (scores to probabilities), sum[j] += p[j]: one key's scores across query
-// lanes, n a multiple of kLanes. GCC 12 leaves exp_nonpositive scalar in this loop ("no vectype"), so
-// the AVX-512 build spells the same range reduction and polynomial out.
+// lanes, n a multiple of kLanes (AVX-512: exp_nonpositive16 of paged_attention.h).
 inline void exp_lanes(float* __restrict p, const float* __restrict mx, float* __restrict sum, int64_t n) {
 #if defined(__AVX512F__)
   for (int64_t j = 0; j < n; j += 16) {
-    const __m512 t = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(p + j), _mm512_loadu_ps(mx + j)),
-                                   _mm512_set1_ps(-87.0f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(t, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f),
-                                     _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), t));
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-    const __m512 e = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(p + j), _mm512_loadu_ps(mx + j)));
     _mm512_storeu_ps(p + j, e);
     _mm512_storeu_ps(sum + j, _mm512_add_ps(_mm512_loadu_ps(sum + j), e));
   }

@@ -13,10 +13,9 @@
 #include <cmath>
 #include <optional>
 
-namespace {
+#include "norm_row.h"
 
-template <typename T>
-inline float f(T v) { return static_cast<float>(v); }
+namespace {
 
 torch::Tensor silu_and_mul(const torch::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) % 2 == 0,
@@ -30,12 +29,28 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   return out;
 }
 
+using rlengine_norm::load;
+using rlengine_norm::norm_row;
+using rlengine_norm::round_to;
+using rlengine_norm::store;
+
+// dst[0, D) = x * cos + rotate_half(x) * sin as Hugging Face computes it: cos / sin cast to x's dtype,
+// each product rounded. One loop per half (rotate_half reads the other half, negated for the first),
+// so the lanes are branch-free and vectorise.
 template <typename scalar_t>
-inline void norm_row(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t C, float eps) {
-  float ss = 0.f;
-  for (int64_t c = 0; c < C; ++c) ss += f(x[c]) * f(x[c]);
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
-  for (int64_t c = 0; c < C; ++c) y[c] = static_cast<scalar_t>(f(w[c]) * f(static_cast<scalar_t>(f(x[c]) * inv)));
+inline void rope_row(const scalar_t* x, const float* cosr, const float* sinr, scalar_t* dst, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t lo = 0; lo < D; lo += half) {
+    const int64_t other = lo == 0 ? half : -half;
+    const float sign = lo == 0 ? -1.f : 1.f;
+#pragma omp simd
+    for (int64_t i = lo; i < lo + half; ++i) {
+      const float c = round_to<scalar_t>(cosr[i]), s = round_to<scalar_t>(sinr[i]);
+      const float a = round_to<scalar_t>(load(x, i) * c);
+      const float b = round_to<scalar_t>(sign * load(x, i + other) * s);
+      store(dst, i, a + b);
+    }
+  }
 }
 
 torch::Tensor fused_add_rms_norm(const torch::Tensor& x, torch::Tensor residual, const torch::Tensor& w, double eps) {
@@ -56,7 +71,7 @@ torch::Tensor fused_add_rms_norm(const torch::Tensor& x, torch::Tensor residual,
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         scalar_t* rr = res + r * C;
-        for (int64_t c = 0; c < C; ++c) rr[c] = static_cast<scalar_t>(f(rr[c]) + f(xi[r * C + c]));
+        rlengine_norm::add_row(rr, xi + r * C, C);
         norm_row(rr, wp, o + r * C, C, static_cast<float>(eps));
       }
     });
@@ -88,7 +103,7 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, 
   auto kwc = norm ? k_w->contiguous() : torch::Tensor();
   auto q = torch::empty({T, H, D}, qkv.options());
   auto k = torch::empty({T, Hkv, D}, qkv.options());
-  const int64_t max_pos = cos_sin.size(1), half = D / 2, W = qkv.size(1);
+  const int64_t max_pos = cos_sin.size(1), W = qkv.size(1);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "qk_norm_rope: position ", pos[t], " outside the RoPE table");
@@ -113,14 +128,7 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, 
         const float* cosr = cs + pos[t] * D;
         const float* sinr = cs + max_pos * D + pos[t] * D;
         scalar_t* dst = is_q ? qo + (t * H + h) * D : ko + (t * Hkv + (h - H)) * D;
-        for (int64_t i = 0; i < D; ++i) {
-          // HF: x * cos + rotate_half(x) * sin with cos/sin cast to x's dtype, each product rounded
-          const float c = f(static_cast<scalar_t>(cosr[i])), s = f(static_cast<scalar_t>(sinr[i]));
-          const float rot = i < half ? -f(normed[i + half]) : f(normed[i - half]);
-          const scalar_t a = static_cast<scalar_t>(f(normed[i]) * c);
-          const scalar_t bb = static_cast<scalar_t>(rot * s);
-          dst[i] = static_cast<scalar_t>(f(a) + f(bb));
-        }
+        rope_row(normed, cosr, sinr, dst, D);
       }
     });
   });

@@ -1,7 +1,9 @@
 // Shared pieces of the CPU paged-attention ops (paged_decode.cpp, cascade_decode.cpp): widening
 // loads of fp16/bf16 rows to fp32, the per-page score and accumulate loops, a vectorisable exp, and
 // attend_pages, the online softmax of R query rows of one KV head over a list of pages. Every inner
-// loop is a contiguous fp32 loop over D; see paged_decode.cpp for what each piece bought.
+// loop is a contiguous fp32 loop over D; see paged_decode.cpp for what each piece bought. An AVX-512
+// build (D a multiple of 16) scores 16 keys per tile and runs max / exp / sum on 16 lanes; the
+// portable loops stay as the fallback for every other build and head dim.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -15,7 +17,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -54,9 +56,50 @@ inline void scale(float* y, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
 }
 
+#if defined(__AVX512F__)
+inline __mmask16 lane_mask(int64_t n) {  // the first min(n, 16) lanes
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+}
+
+// Lane n = the sum of the 16 lanes of a[n]: a transpose tree of 15 adds and 30 shuffles for 16 sums,
+// where one horizontal reduction per vector costs ~8 dependent shuffles and adds each.
+inline __m512 sum16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of the pair
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial sum of each of 4 vectors
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes 0+1 and 2+3 of 4 vectors, then of the next 4
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// s[0, n_tok) = <q, row n of k>, D a multiple of 16: 16 rows per tile, one accumulator vector per
+// row, summed across lanes by sum16. Lanes past n_tok re-read the tile's last row and are not stored.
+inline void page_scores16(const float* q, const float* k, int64_t ks, int64_t n_tok, int64_t D, float* s) {
+  for (int64_t t0 = 0; t0 < n_tok; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, n_tok - t0);
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < D; j += 16) {
+      const __m512 qj = _mm512_loadu_ps(q + j);
+      for (int i = 0; i < 16; ++i)
+        a[i] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(k + (t0 + std::min<int64_t>(i, n - 1)) * ks + j), a[i]);
+    }
+    _mm512_mask_storeu_ps(s + t0, lane_mask(n), sum16(a));
+  }
+}
+#endif
+
 // s[n] = <q, row n of k> for n_tok rows (row stride ks). Four rows per pass: four independent
 // accumulator chains instead of one latency-bound chain, and q is loaded once for all four.
 inline void page_scores(const float* q, const float* k, int64_t ks, int64_t n_tok, int64_t D, float* s) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) return page_scores16(q, k, ks, n_tok, D, s);
+#endif
   int64_t n = 0;
   for (; n + 4 <= n_tok; n += 4) {
     const float *k0 = k + n * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
@@ -109,8 +152,40 @@ inline float exp_nonpositive(float t) {
   return y * __builtin_bit_cast(float, bits);
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes, the same range reduction and polynomial. GCC 12 leaves exp_nonpositive
+// scalar inside `omp simd` loops ("no vectype"; perf showed scalar vrndscaless / vfmadd132ss there).
+inline __m512 exp_nonpositive16(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(t, _mm512_set1_ps(1.44269504f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), t));
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));  // y * 2^k
+}
+#endif
+
 // x[i] = exp(x[i] - shift) for x[i] - shift <= 0, returning the sum.
 inline float exp_shifted_sum(float* x, int64_t n, float shift) {
+#if defined(__AVX512F__)
+  const __m512 sh = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lane_mask(n - i);
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), sh));
+    _mm512_mask_storeu_ps(x + i, m, e);
+    acc = _mm512_mask_add_ps(acc, m, acc, e);  // lanes past n stay out of the sum
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) {
@@ -118,6 +193,21 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
     sum += x[i];
   }
   return sum;
+#endif
+}
+
+// max(x[0, n)), n >= 1.
+inline float max_of(const float* x, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = lane_mask(n - i);
+    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, x + i));
+  }
+  return _mm512_reduce_max_ps(m);
+#else
+  return *std::max_element(x, x + n);
+#endif
 }
 
 template <typename scalar_t>
@@ -194,7 +284,7 @@ void attend_pages(const scalar_t* k_cache, const scalar_t* v_cache, const int32_
       float* sr = s.scores.data() + r * P;
       page_scores(s.q.data() + r * D, k, ks, n_tok, D, sr);
       // Online softmax: rescale what was accumulated under the old max.
-      const float mx = std::max(s.m[r], *std::max_element(sr, sr + n_tok));
+      const float mx = std::max(s.m[r], max_of(sr, n_tok));
       const float alpha = std::exp(s.m[r] - mx);  // exp(-inf) = 0 on the first page
       s.l[r] = s.l[r] * alpha + exp_shifted_sum(sr, n_tok, mx);
       s.m[r] = mx;

@@ -6,27 +6,14 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 
+#include "norm_row.h"
+
 namespace {
 
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t rows, int64_t C, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = x + r * C;
-      scalar_t* yr = y + r * C;
-      float ss = 0.f;
-      for (int64_t c = 0; c < C; ++c) {
-        float v = static_cast<float>(xr[c]);
-        ss += v * v;
-      }
-      float inv = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
-      for (int64_t c = 0; c < C; ++c) {
-        // Round the normalised value to the input dtype before the weight multiply,
-        // exactly as the reference does.
-        scalar_t normed = static_cast<scalar_t>(static_cast<float>(xr[c]) * inv);
-        yr[c] = static_cast<scalar_t>(static_cast<float>(w[c]) * static_cast<float>(normed));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) rlengine_norm::norm_row(x + r * C, w, y + r * C, C, eps);
   });
 }
 

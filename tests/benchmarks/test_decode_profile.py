@@ -12,8 +12,8 @@ from rlengine.model import ops as op_dispatch
 
 
 def test_profile_rows_parts_add_up_and_engine_is_restored(tmp_path):
-    assert prof.main(["--model", "tiny", "--dtypes", "float32", "--batches", "1,3", "--steps", "3",
-                      "--hf-gen-len", "3", "--out", str(tmp_path)]) == 0
+    assert prof.main(["--model", "tiny", "--dtypes", "float32", "--batches", "1,3", "--steps", "3", "--rounds", "3",
+                      "--clock", "cpu", "--hf-gen-len", "3", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "decode_profile.json").read_text())["rows"]
     assert [(r["dtype"], r["b_act"]) for r in rows] == [("float32", 1), ("float32", 3)]
     for r in rows:
@@ -24,7 +24,16 @@ def test_profile_rows_parts_add_up_and_engine_is_restored(tmp_path):
         assert r["ratio"] == pytest.approx(r["hf_ms"] / r["step_ms"])
         assert set(r["linear_best"]) == {"qkv", "o", "gate_up", "down", "lm_head"}
         assert r["linear_ms"] == pytest.approx(sum(v["ms"] for v in r["linear_best"].values()))
+        ratios = sorted(x["step_over_linear"] for x in r["rounds"])     # the row is the median round
+        assert len(ratios) == 3 and r["step_over_linear"] == pytest.approx(ratios[1])
+        assert r["step_over_linear"] == pytest.approx(r["step_ms"] / r["linear_ms"])
     assert op_dispatch.CPU_OPS is op_dispatch.fused_ops_for(torch.device("cpu"))
+
+
+def test_bad_rounds_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        prof.main(["--rounds", "0"])
+    assert exc.value.code == 2 and "--rounds and --steps must be >= 1" in capsys.readouterr().err
 
 
 def test_instrumented_engine_is_restored_and_counts_calls():

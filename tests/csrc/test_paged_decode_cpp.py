@@ -37,6 +37,16 @@ def test_cpp_matches_references(gqa, D, P, dtype):
     check_against_references(out, batch, D**-0.5)
 
 
+# Head dims off the 16-lane tiles (40, 24): the portable loops, which AVX-512 builds keep for these.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [40, 24], ids=lambda d: f"D{d}")
+def test_cpp_head_dim_off_the_vector_width(D, dtype):
+    batch = make_batch([1, 16, 17, 97], 4, 2, D, 16, dtype, seed=D)
+    out = torch.full_like(batch.q, float("nan"))
+    paged_decode_cpp(batch.q, batch.k_cache, batch.v_cache, *batch.tables(), sm_scale=D**-0.5, out=out)
+    check_against_references(out, batch, D**-0.5)
+
+
 def test_cpp_strided_q_and_allocated_out():
     H, Hkv, D, P = 8, 2, 64, 16
     batch = make_batch([5, 40, 16], H, Hkv, D, P, torch.bfloat16, seed=3)
