@@ -18,6 +18,12 @@
 #                                       trace check (90 s), CUDA-event times of replay, head, sampler and
 #                                       step with async on and off (120 s), paged decode at B 1 and a 32K
 #                                       context over splits and BLOCK_N (40 s): <= 430 s in one device call
+#   tools/gpu_check.sh decode2 [COMMIT] the build if the machine has none (<= 180 s), then the fused decode
+#                                       layer (gen.decode_kernels): its gpu-marked tests (greedy parity with
+#                                       the torch path at B_act 1 and 64, 90 s), the decode step at B_act 1
+#                                       and 64 with torch, then fused (Qwen3-0.6B shape, bf16, CUDA graphs,
+#                                       45 s each), and the small-M GEMM configs measured per shape class
+#                                       (60 s): <= 420 s; its summary says whether fused may become default
 #   tools/gpu_check.sh bench [COMMIT]   the build if the machine has none, then ceilings, decode sweep
 #                                       (Qwen3-0.6B shape, CUDA graphs, NVML), paged decode at long contexts,
 #                                       fused MoE fwd+bwd vs torch._grouped_mm, fused log-prob time and memory,
@@ -35,7 +41,7 @@
 set -uo pipefail  # no -e: every part's exit status is checked where it runs
 cd "$(dirname "$0")/.."
 STEP=${1:-}
-case "$STEP" in test|bench|rl|profile) ;; *) echo "usage: $0 test|bench|rl|profile [COMMIT]"; exit 2;; esac
+case "$STEP" in test|bench|rl|profile|decode2) ;; *) echo "usage: $0 test|bench|rl|profile|decode2 [COMMIT]"; exit 2;; esac
 COMMIT=${2:-${RLENGINE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}}
 OUT=${OUT:-bench/results/gpu}
 DRY=${GPU_CHECK_DRY:-0}; [ "$DRY" = "" ] && DRY=0
@@ -125,6 +131,8 @@ run_bench_step() {
   part paged_decode 25 bench paged_decode python3 bench/bench_paged_decode.py --grid "B=1,8,64 ctx=4096,32768" \
     "${ceil[@]}" --out "$WORK" || STATUS=1
   part moe 35 bench moe python3 bench/bench_moe.py --grid "T=4096,32768" "${ceil[@]}" --out "$WORK" || STATUS=1
+  part moe_breakdown 30 bench moe_breakdown python3 -m rlengine.cli bench moe --breakdown --grid "T=4096,32768" \
+    --iters 5 "${ceil[@]}" --out "$WORK" || STATUS=1
   part logprob 20 bench logprob python3 bench/bench_logprob.py "${ceil[@]}" --out "$WORK" || STATUS=1
 }
 
@@ -151,6 +159,22 @@ costs() {
   python3 -m rlengine.cli bench costs --model qwen3-0.6b --dtype bfloat16 --out "$WORK"
 }
 
+run_decode2_step() {
+  [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
+    --format=csv | tee "$WORK/gpu.txt"
+  has_build || build_or_stop 180
+  [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin decode2 "$WORK"
+  part fused_tests 90 shard fused_tests tests/engine/test_fused_decode_layer.py || STATUS=1
+  local k
+  for k in torch fused; do  # the same bench, one setting after the other on the same warm machine
+    part "decode_$k" 45 bench "decode_$k" python3 -m rlengine.cli bench decode --model qwen3-0.6b \
+      --dtype bfloat16 --batches 1,64 --no-hf --gen-len 32 --reps 3 --prefill-len 0 --no-plot \
+      --decode-kernels "$k" --out "$WORK" --name "decode_$k" || STATUS=1
+  done
+  part small_m_tune 60 bench small_m_tune python3 -m rlengine.benchmarks.small_m_tune --seconds 45 \
+    --out "$WORK" || STATUS=1
+}
+
 run_rl_step() {
   [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
     --format=csv | tee "$WORK/gpu.txt"
@@ -172,4 +196,5 @@ run_rl_step() {
 
 export DRY WORK STEP
 export -f build shard bench grpo_long costs
-case "$STEP" in test) run_test_step;; bench) run_bench_step;; rl) run_rl_step;; profile) run_profile_step;; esac
+case "$STEP" in test) run_test_step;; bench) run_bench_step;; rl) run_rl_step;; profile) run_profile_step;;
+  decode2) run_decode2_step;; esac

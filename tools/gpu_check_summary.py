@@ -6,7 +6,7 @@
         and OUT/gpu_check_STEP.tar.gz (all of WORK), then prints the summary: its last lines.
     python3 tools/gpu_check_summary.py part STEP WORK NAME RC SECONDS LIMIT
         writes one part's exit status to WORK/part_NAME.json.
-    python3 tools/gpu_check_summary.py standin STEP WORK [build-fails]   (STEP: test | bench | rl | profile)
+    python3 tools/gpu_check_summary.py standin STEP WORK [build-fails]   (STEP: test | bench | rl | profile | decode2)
         writes stand-in results (GPU_CHECK_DRY=1): the packing and the summary run on a CPU.
 
 A device call returns at most 8 files, no deeper than 2 folders, and the last 12,000 characters of
@@ -27,6 +27,7 @@ TEST_SHARDS = ("paged_decode", "kernels", "engine", "others")
 RL_SHARDS = ("rl_tests",)
 RL_PARTS = ("grpo_long", "job_ladder", "asymmetry", "costs")
 BENCH_PARTS = ("ceilings", "decode", "paged_decode", "bench_moe", "bench_logprob", "shared_prefix")
+DECODE2_SHARDS = ("fused_tests",)
 
 
 def _smi(query: str) -> str | None:
@@ -211,6 +212,48 @@ def _profile_lines(work: str, goals: dict) -> list[str]:
     return lines
 
 
+def _decode2_lines(work: str, goals: dict) -> list[str]:
+    """The decode2 step: fused-layer tests, decode step times torch vs fused at B_act 1 and 64, small-M configs.
+    The verdict line is the rule for gen.decode_kernels' default: fused only where faster at both B_act."""
+    lines = _test_lines(work, goals, DECODE2_SHARDS)
+    ms = {}
+    for k in ("torch", "fused"):
+        data = _load(work, f"decode_{k}.json")
+        for r in (data or {}).get("rows", []):
+            ms.setdefault(r["b_act"], {})[k] = r["ms_per_step"]
+    faster = []
+    for b in (1, 64):
+        t, f = ms.get(b, {}).get("torch"), ms.get(b, {}).get("fused")
+        if t is None or f is None:
+            lines.append(f"decode2 B_act {b}: NO RESULT (torch {t}, fused {f})")
+            continue
+        goals[f"decode2_ms_B{b}"] = {"torch": t, "fused": f, "fused_over_torch": round(f / t, 3)}
+        faster.append(f < t)
+        lines.append(f"decode2 B_act {b}: torch {t:.3f} ms/step, fused {f:.3f} ms/step (fused/torch {f / t:.2f})")
+    ok = len(faster) == 2 and all(faster)
+    goals["decode2_fused_faster_at_1_and_64"] = ok
+    lines.append("decode2 verdict: fused faster at B_act 1 and 64: make it gen.decode_kernels' default" if ok else
+                 "decode2 verdict: keep torch the default (fused not measured faster at both B_act 1 and 64)")
+    tune = _load(work, "small_m_tune.json")
+    if tune:
+        goals["small_m_tune"] = [{k: r[k] for k in ("op", "M", "best", "best_us", "heuristic_us", "torch_linear_us")}
+                                 for r in tune["rows"]]
+        lines.append("small-M GEMM best us (vs torch linear): " + "; ".join(
+            f"{r['op']} M={r['M']} {r['best_us']:.1f} ({r['torch_linear_us']:.1f})" for r in tune["rows"]))
+    return lines
+
+
+def _standin_decode2(work: str) -> None:
+    open(os.path.join(work, "junit_fused_tests.xml"), "w").write(_junit("fused_tests", False))
+    cond = {"conditions": {"device": "stand-in (GPU_CHECK_DRY=1)"}}
+    for k, ms in (("torch", (1.5, 1.9)), ("fused", (0.8, 1.0))):
+        rows = [{"b_act": 1, "ms_per_step": ms[0]}, {"b_act": 64, "ms_per_step": ms[1]}]
+        json.dump({"name": f"decode_{k}", "rows": rows, **cond}, open(os.path.join(work, f"decode_{k}.json"), "w"))
+    row = {"op": "qkv", "M": 1, "best": "SmallMConfig(32, 128, 1)", "best_us": 6.0, "heuristic_us": 6.5,
+           "torch_linear_us": 9.0}
+    json.dump({"name": "small_m_tune", "rows": [row], **cond}, open(os.path.join(work, "small_m_tune.json"), "w"))
+
+
 def _stamp(work: str, commit: str) -> None:
     """The tree on the GPU machine may have no .git: stamp the commit into every result JSON."""
     for path in glob.glob(os.path.join(work, "*.json")):
@@ -231,8 +274,9 @@ def finish(step: str, work: str, out: str, commit: str, status: int) -> int:
              f"{p['seconds']} s of {p['limit']} s" for p in parts]
     if any(p["name"] == "build" and p["rc"] != 0 for p in parts):
         lines.append("BUILD FAILED: the step stopped before its tests and benchmarks (build.log in the archive)")
-    lines += {"test": _test_lines, "bench": _bench_lines, "rl": _rl_lines, "profile": _profile_lines}[step](work, goals)
-    shards = {"test": TEST_SHARDS, "rl": RL_SHARDS}.get(step, ())
+    lines += {"test": _test_lines, "bench": _bench_lines, "rl": _rl_lines, "profile": _profile_lines,
+              "decode2": _decode2_lines}[step](work, goals)
+    shards = {"test": TEST_SHARDS, "rl": RL_SHARDS, "decode2": DECODE2_SHARDS}.get(step, ())
     failed = any(goals.get(s, {}).get("failed") for s in shards)
     timed_ok = {"grpo_long"}  # stopped by the timeout's SIGINT on purpose
     if failed or any(p["rc"] and not (p["name"] in timed_ok and p["rc"] == 124) for p in parts):
@@ -278,6 +322,9 @@ def standin(step: str, work: str) -> None:
         return
     if step == "profile":
         _standin_profile(work)
+        return
+    if step == "decode2":
+        _standin_decode2(work)
         return
     if step == "test":
         for shard in TEST_SHARDS:

@@ -93,7 +93,7 @@ def _engine(args, ours, device: torch.device, enforce_eager: bool, share: float)
         blocks = min(blocks, int(args.kv_memory_gb * 2**30 * share / 0.6) // per_block)
     return LLM(ours, max_num_seqs=max(args.batches), max_model_len=args.max_model_len, attention_backend=args.backend,
                num_kv_blocks=blocks, block_size=16, enforce_eager=enforce_eager,
-               async_scheduling=False if args.no_async else None)
+               async_scheduling=False if args.no_async else None, decode_kernels=args.decode_kernels)
 
 
 def _measure(args, llm: LLM, hf: list[HFProvider], prompts, eager: LLM | None, telemetry) -> dict:
@@ -366,6 +366,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="count the launches of one decode step by kind at --batches (default 1,64) instead "
                         "(CPU: Triton interpreter, max_model_len 40960; decode_launches.py)")
     p.add_argument("--sms", type=int, default=132, help="--count-launches: SM count the KV splits are planned for")
+    p.add_argument("--decode-kernels", default="torch", choices=["torch", "fused"],
+                   help="the GPU decode layer path (gen.decode_kernels; model/fused_decode.py), also when counting")
     return p
 
 

@@ -158,7 +158,7 @@ def _gpu_path_on_cpu():
 
 
 def _engine(layers: int, batch: int, *, context: int, max_model_len: int, num_sms: int | None, seed: int = 0,
-            sampling: str = "greedy"):
+            sampling: str = "greedy", decode_kernels: str = "torch"):
     from rlengine import LLM, SamplingParams
     from rlengine.model.qwen3 import Qwen3ForCausalLM
 
@@ -166,7 +166,7 @@ def _engine(layers: int, batch: int, *, context: int, max_model_len: int, num_sm
     model = Qwen3ForCausalLM(count_config(layers))
     pages = batch * (-(-(context + 8) // 16)) + 2
     llm = LLM(model, max_num_seqs=batch, max_model_len=max_model_len, attention_backend="triton",
-              block_size=16, num_kv_blocks=pages, enforce_eager=True)
+              block_size=16, num_kv_blocks=pages, enforce_eager=True, decode_kernels=decode_kernels)
     if num_sms is not None:
         llm.backend.plan_for_sms(num_sms)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -178,16 +178,18 @@ def _engine(layers: int, batch: int, *, context: int, max_model_len: int, num_sm
 
 
 def count_step(layers: int, batch: int, *, context: int = 32, max_model_len: int = 40960,
-               num_sms: int | None = 132, run_kernels: bool = False, sampling: str = "greedy") -> dict:
+               num_sms: int | None = 132, run_kernels: bool = False, sampling: str = "greedy",
+               decode_kernels: str = "torch") -> dict:
     """Launches of one eager and one graph decode step (CPU: interpreter + stand-in) ->
     {"eager": Launches, "graph": (outside Launches, inside Launches), "splits": graph step's KV splits}.
 
     run_kernels=False (default): Triton launches are counted and their bodies skipped, so the step's
     numbers are garbage but its launches are the path's (the interpreter runs one program at a time:
     a B_act 64 step would take minutes). The prefill runs the CPU kernels, uncounted. sampling: "greedy"
-    or "top_p" (temperature 0.8, top-p 0.9).
+    or "top_p" (temperature 0.8, top-p 0.9). decode_kernels: the engine's decode layer path (torch | fused).
     """
-    llm = _engine(layers, batch, context=context, max_model_len=max_model_len, num_sms=num_sms, sampling=sampling)
+    llm = _engine(layers, batch, context=context, max_model_len=max_model_len, num_sms=num_sms, sampling=sampling,
+                  decode_kernels=decode_kernels)
     llm.step()  # prefill
     with _gpu_path_on_cpu():
         counter = LaunchCounter(run_kernels)
@@ -247,12 +249,12 @@ def _cpu_report(args) -> int:
                           "run it with TRITON_INTERPRET=1")
     layers = (2, 4)
     rows = launch_table(tuple(args.batches), layers, num_sms=args.sms, max_model_len=args.max_model_len,
-                        context=args.prompt_len)
+                        context=args.prompt_len, decode_kernels=args.decode_kernels)
     cols = ["b_act", "eager_per_layer", "eager_constant", "graph_per_layer", "graph_inside_constant",
             "graph_outside", "graph_outside_gpu", "kv_splits", "capacity_splits", "eager_constant_top_p",
             "graph_inside_constant_top_p", "graph_outside_top_p"]
-    print("launches of one decode step (CPU: Triton interpreter, graph stand-in, "
-          f"{args.sms} simulated SMs, max_model_len {args.max_model_len}, context {args.prompt_len})")
+    print(f"launches of one decode step, decode kernels {args.decode_kernels} (CPU: Triton interpreter, graph "
+          f"stand-in, {args.sms} simulated SMs, max_model_len {args.max_model_len}, context {args.prompt_len})")
     print("  ".join(f"{c:>16}" for c in cols))
     for row in rows:
         print("  ".join(f"{row[c]:>16}" for c in cols))
@@ -263,6 +265,7 @@ def _cpu_report(args) -> int:
     path = Path(args.out) / "decode_launches.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"rows": rows, "device_only": DEVICE_ONLY, "sms": args.sms,
+                                "decode_kernels": args.decode_kernels,
                                 "max_model_len": args.max_model_len}, indent=1, default=str))
     print(f"wrote {path}")
     return 0

@@ -42,6 +42,9 @@ def cmd_info(args) -> int:
             print(f"  train.micro_batch = 0: micro-batches of {plan.micro_batch} sequences (of "
                   f"{sequences_per_rank(cfg)}), the largest the plan fits")
         micro = cfg.train.micro_batch or (plan.micro_batch if plan.micro_batch < sequences_per_rank(cfg) else 0)
+        from rlengine.model.fused_decode import describe
+
+        print(describe(cfg.gen.decode_kernels, "cuda" if cuda else "cpu"))
         print("resolved specs (plan.json of a run on this device holds these with its engines'):")
         for name, spec in (("rollout", resolve_rollout(cfg)), ("learner", resolve_learner(cfg, micro))):
             values = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "options"}
@@ -65,6 +68,9 @@ def cmd_info(args) -> int:
     print(f"  auto picks the first available of {' > '.join(AUTO_ORDER[device.type])} (flashinfer: opt-in)")
     graphs = "on by default (enforce_eager=True turns them off)" if device.type == "cuda" else "off (no CUDA device)"
     print(f"decode CUDA graphs: {graphs}")
+    from rlengine.model.fused_decode import DEFAULT_DECODE_KERNELS, describe
+
+    print(describe(DEFAULT_DECODE_KERNELS, device.type) + "; gen.decode_kernels / LLM(decode_kernels=) = torch|fused")
     from rlengine.telemetry.nvml import NvmlSampler
 
     nvml = NvmlSampler.for_device(device)  # a training run prints this only when it asked for a GPU

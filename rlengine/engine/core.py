@@ -32,6 +32,7 @@ from rlengine.engine.sampler import Sampler
 from rlengine.engine.scheduler import ScheduledBatch, Scheduler
 from rlengine.engine.spec import EngineSpec
 from rlengine.engine.step_inputs import StepInputs
+from rlengine.model import fused_decode
 from rlengine.model import ops as op_dispatch
 from rlengine.model.kernel_choice import configure_from_setting
 from rlengine.model.qwen3 import Qwen3ForCausalLM
@@ -65,6 +66,9 @@ class EngineCore:
                                       self.device)
         self.backend = backend_cls(self.kv_cache, cfg.num_attention_heads, cfg.head_dim, B)
         self.backend.configure_shared_prefix(spec.shared_prefix_decode)
+        self.backend.decode_kernels = spec.decode_kernels  # the model's decode layer path (model/fused_decode.py)
+        if spec.decode_kernels == "fused" and self.device.type == "cuda":
+            fused_decode.prepare(model.model)  # its split-K workspace, before any graph capture
         max_pages = -(-spec.max_model_len // spec.block_size)
         self.block_manager = BlockManager(0, spec.block_size, max_seqs=B, max_pages_per_seq=max_pages,
                                           pool=self.kv_pool.blocks)

@@ -47,6 +47,8 @@ batch_invariant=True (CPU; model/batch_invariant.py) runs one fixed-order kernel
 instead, so each token's log-prob equals the learner's recomputation bit for bit at any batch size.
 shared_prefix_decode: decode attends a GRPO group's shared prompt pages once per group (engine/attention/
 cascade.py); None follows the backend's measured choice (AttentionBackend.configure_shared_prefix).
+decode_kernels (GPU): "torch" (default until a GPU run measures fused faster) or "fused", the six-launch
+decode layer of model/fused_decode.py.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ class LLM:
                  cuda_graph_sizes: list[int] | None = None, async_scheduling: bool | None = None,
                  gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, cpu_kernels: str = "cache", batch_invariant: bool = False,
-                 shared_prefix_decode: bool | None = None, revision: str | None = None, lora_path: str | None = None):
+                 shared_prefix_decode: bool | None = None, revision: str | None = None, lora_path: str | None = None,
+                 decode_kernels: str = "torch"):
         _check_vllm_args(tensor_parallel_size, trust_remote_code)
         spec = EngineSpec(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
@@ -93,7 +96,7 @@ class LLM:
                           record_routing=record_routing, enforce_eager=enforce_eager,
                           cuda_graph_sizes=tuple(cuda_graph_sizes) if cuda_graph_sizes else None,
                           async_scheduling=async_scheduling, cpu_kernels=cpu_kernels, batch_invariant=batch_invariant,
-                          shared_prefix_decode=shared_prefix_decode)
+                          shared_prefix_decode=shared_prefix_decode, decode_kernels=decode_kernels)
         model = _resolve(model, revision)  # a hub id -> its cached snapshot directory (model/hub.py)
         if gpu_memory_utilization is not None and (num_kv_blocks is not None or kv_cache_memory is not None
                                                    or kv_pool is not None):

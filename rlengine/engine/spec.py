@@ -37,12 +37,16 @@ class EngineSpec:
     cpu_kernels: str = "cache"             # measure | cache | torch | skinny | a saved table's .json
     batch_invariant: bool = False          # one fixed-order kernel per op (bitwise learner = engine)
     shared_prefix_decode: bool | None = None  # None: the backend's measured default
+    decode_kernels: str = "torch"          # torch | fused: the GPU decode layer path (model/fused_decode.py)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs (B_gen) must be >= 1, got {self.max_num_seqs}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        from rlengine.model.fused_decode import check_decode_kernels
+
+        check_decode_kernels(self.decode_kernels)
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 

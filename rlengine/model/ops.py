@@ -227,6 +227,7 @@ class FusedOps:
     qk_norm_rope: Callable
     silu_and_mul: Callable
     linear: Callable  # x @ w.T without bias
+    stores_kv: bool = False  # qk_norm_rope takes kv_cache= (the Triton set): gen.decode_kernels = "fused" applies
 
 
 CPU_OPS = FusedOps(torch.ops.rlengine.rms_norm, torch.ops.rlengine.fused_add_rms_norm,
@@ -244,7 +245,7 @@ def triton_ops() -> FusedOps | None:
     if not _triton.AVAILABLE:  # the kernel module imports without triton, its kernels do not launch
         return None
     return FusedOps(fused_norm.rms_norm, fused_norm.fused_add_rms_norm, fused_norm.qk_norm_rope,
-                    fused_norm.silu_and_mul, F.linear)
+                    fused_norm.silu_and_mul, F.linear, stores_kv=True)
 
 
 def fused_ops_for(device: torch.device) -> FusedOps | None:

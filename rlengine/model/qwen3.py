@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from rlengine.model.config import ModelConfig
 from rlengine.model import batch_invariant as inv
 from rlengine.model import batch_invariant_moe as inv_moe
+from rlengine.model import fused_decode
 from rlengine.model import ops as op_dispatch
 from rlengine.model.attention import AttentionContext, DenseCausal, PackedCausal
 from rlengine.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
@@ -62,20 +63,32 @@ class Attention(nn.Module):
         o_TC = self.o_proj(o_THD.reshape(T, self.q_size))
         return o_TC if self.o_lora is None else self.o_lora(o_THD.reshape(T, self.q_size), o_TC)
 
-    def forward_fused(self, x_TC, positions_T, rope_table, ctx: AttentionContext, ops: FusedOps):
-        """No-grad path: one kernel for q/k RMSNorm (if any) + RoPE straight from the qkv projection."""
+    def forward_fused(self, x_TC, positions_T, rope_table, ctx: AttentionContext, ops: FusedOps,
+                      store_kv: bool = False):
+        """No-grad path: one kernel for q/k RMSNorm (if any) + RoPE straight from the qkv projection;
+        store_kv (gen.decode_kernels = "fused"): on decode steps the same kernel stores K/V in the cache."""
         T = x_TC.shape[0]
-        qkv = (ops.linear(x_TC, self.qkv_proj.weight) if self.qkv_proj.bias is None
-               else F.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias))
-        if self.qkv_lora is not None:
-            qkv = self.qkv_lora.fused(x_TC, qkv, ops.linear)
+        if self.qkv_lora is not None and self.qkv_proj.bias is None:  # the projection with its adapter
+            qkv = self.qkv_lora.project(x_TC, self.qkv_proj.weight, ops.linear)
+        else:
+            qkv = (ops.linear(x_TC, self.qkv_proj.weight) if self.qkv_proj.bias is None
+                   else F.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias))
+            if self.qkv_lora is not None:
+                qkv = self.qkv_lora.fused(x_TC, qkv, ops.linear)
         q_w, k_w = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-        q, k = ops.qk_norm_rope(qkv, q_w, k_w, rope_table, positions_T, self.num_heads, self.num_kv_heads, self.eps)
-        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        o_THD = ctx.attend(self.layer_id, q, k, v)
+        target = ctx.fused_kv_target(self.layer_id, qkv.dtype) if store_kv else None
+        if target is not None:  # the K/V store folded into the q/k-norm + RoPE launch
+            q, _ = ops.qk_norm_rope(qkv, q_w, k_w, rope_table, positions_T, self.num_heads, self.num_kv_heads,
+                                    self.eps, kv_cache=target)
+            o_THD = ctx.attend_stored(self.layer_id, q)
+        else:
+            q, k = ops.qk_norm_rope(qkv, q_w, k_w, rope_table, positions_T, self.num_heads, self.num_kv_heads,
+                                    self.eps)
+            v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+            o_THD = ctx.attend(self.layer_id, q, k, v)
         o = o_THD.reshape(T, self.q_size)
-        out = ops.linear(o, self.o_proj.weight)
-        return out if self.o_lora is None else self.o_lora.fused(o, out, ops.linear)
+        return ops.linear(o, self.o_proj.weight) if self.o_lora is None else self.o_lora.project(o, self.o_proj.weight,
+                                                                                                  ops.linear)
 
     def forward_invariant(self, x_TC, positions_T, rope_table, ctx: AttentionContext):
         """Batch-invariant path (batch_invariant.py): the same structure with the invariant ops."""
@@ -112,17 +125,18 @@ class DecoderLayer(nn.Module):
         x_TC = x_TC + self.self_attn(self.input_layernorm(x_TC), cos, sin, ctx)
         return x_TC + self.mlp(self.post_attention_layernorm(x_TC))
 
-    def forward_fused(self, out_TC, residual_TC, positions_T, rope_table, ctx, ops: FusedOps):
+    def forward_fused(self, out_TC, residual_TC, positions_T, rope_table, ctx, ops: FusedOps, store_kv: bool = False):
         """vLLM-style residual stream: adds the previous sublayer output into `residual` in place.
 
         Returns (this layer's MLP output, residual); residual None means out_TC is the embedding.
+        store_kv: Attention.forward_fused.
         """
         if residual_TC is None:
             residual_TC = out_TC
             h = ops.rms_norm(out_TC, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
             h = ops.fused_add_rms_norm(out_TC, residual_TC, self.input_layernorm.weight, self.input_layernorm.eps)
-        h = self.self_attn.forward_fused(h, positions_T, rope_table, ctx, ops)
+        h = self.self_attn.forward_fused(h, positions_T, rope_table, ctx, ops, store_kv)
         h = ops.fused_add_rms_norm(h, residual_TC, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps)
         if isinstance(self.mlp, SwiGLUMLP):
@@ -199,10 +213,15 @@ class Qwen3Model(nn.Module):
         return inv.rms_norm(x_TC, self.norm.weight, self.norm.eps)
 
     def forward_fused(self, x_TC, positions_T, ctx, ops: FusedOps):
-        """The no-grad fast path on embeddings x_TC, with the kernels in `ops` (fused_ops_for)."""
+        """The no-grad fast path on embeddings x_TC, with the kernels in `ops` (fused_ops_for). An engine
+        context whose decode_kernels is "fused" (gen.decode_kernels) runs model/fused_decode.py's layer
+        on the Triton ops: six launches a layer where it applies, else this loop with the K/V store folded in."""
+        fused = ops.stores_kv and getattr(ctx, "decode_kernels", "torch") == "fused"
+        if fused and fused_decode.six_launch_ok(self, x_TC, ctx):
+            return fused_decode.forward(self, x_TC, positions_T, ctx, ops)
         out, residual = x_TC, None
         for layer in self.layers:
-            out, residual = layer.forward_fused(out, residual, positions_T, self.rotary.cos_sin, ctx, ops)
+            out, residual = layer.forward_fused(out, residual, positions_T, self.rotary.cos_sin, ctx, ops, fused)
         return ops.fused_add_rms_norm(out, residual, self.norm.weight, self.norm.eps)
 
 

@@ -29,7 +29,7 @@ def plan_job(cfg: TrainConfig, model, shape: JobShape, dist: Dist, *, moe_impl: 
     common = dict(block_size=g.block_size, max_model_len=shape.max_model_len, attention_backend=cfg.attention_backend,
                   enforce_eager=g.enforce_eager, cpu_kernels=g.cpu_kernels, batch_invariant=g.batch_invariant,
                   shared_prefix_decode=None if g.shared_prefix_decode == "auto" else g.shared_prefix_decode,
-                  moe_impl=moe_impl)
+                  moe_impl=moe_impl, decode_kernels=g.decode_kernels)
     rollout = resolve_rollout(cfg)
     engine = EngineSpec(max_num_seqs=rollout.b_gen, num_kv_blocks=memory.num_kv_blocks, seed=cfg.run.seed,
                         record_routing=g.record_routing, **common)

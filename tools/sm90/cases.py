@@ -29,6 +29,7 @@ PAGE_SIZE = 16             # the engine's default block_size
 DECODE_TOKENS = 8          # rows of a decode step (any count compiles the same kernel)
 SPLITS = (1, 2, 4, 8, 16, 32, 64)  # S = 1 is the direct path; S > 1 rounds to these merge widths
 MOE_TOKENS = (64, 512, 4096, 16384)  # T*K/E = 4, 32, 256, 1024 rows per expert: the four config rows
+MOE_SORTED_CANDIDATES = (2, 3)  # tile candidates per kernel of kernels/moe_tuning.py at T = 4096, 16384 (at most)
 LOGPROB_TOKENS = 4096
 
 # The kernels whose spills fail the tier outright (see test_sm90_compile): what every decode step
@@ -36,7 +37,7 @@ LOGPROB_TOKENS = 4096
 HOT = {
     "_split_kernel": HALF, "_merge_kernel": HALF, "_prefix_kernel": HALF,
     "_rms_norm_kernel": HALF, "_silu_and_mul_kernel": HALF, "_qk_norm_rope_kernel": HALF,
-    "_gate_up_kernel": HALF, "_pair_gemm_kernel": HALF,
+    "_gate_up_kernel": HALF, "_pair_gemm_kernel": HALF, "_small_m_gemm_kernel": HALF, "_sorted_wgrad_kernel": HALF,
     "_logprob_fwd_kernel": ALL,
     "_inv_matmul_kernel": HALF, "_inv_attention_kernel": HALF, "_inv_logsumexp_kernel": (torch.float32,),
 }
@@ -106,7 +107,30 @@ def _norms(cfg: ModelConfig, dtype: torch.dtype) -> None:
     fn.qk_norm_rope(qkv, *qk_w, cos_sin, pos, H, Hkv, 1e-6, kv_cache=cache)   # the decode step: also stores K/V
 
 
-def _moe(cfg: ModelConfig, dtype: torch.dtype, T: int) -> None:
+def _small_m(cfg: ModelConfig, dtype: torch.dtype, rows: int, candidates: bool) -> None:
+    # The fused decode layer's four projections (norm+qkv, o_proj+residual, norm+gate_up+SiLU, down+residual)
+    # with the config choose_config gives each at `rows`, one of them with programmatic dependent launch;
+    # candidates=True: every tile config tune() may pick on a GPU, on gate_up (the two-accumulator kernel).
+    from rlengine.kernels import small_m_gemm as sm
+
+    C, H, Hkv, D, F = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, \
+        cfg.intermediate_size
+    ws = sm.SmallMWorkspace.for_shapes([((H + 2 * Hkv) * D, C), (C, H * D), (F, C), (C, F)], "cuda")
+    x, g = _empty(rows, C, dtype=dtype), _empty(C, dtype=dtype)
+    if candidates:  # a workspace for every split of every candidate (fake tensors: no memory)
+        ws = sm.SmallMWorkspace(F // 32, 16 * F // 32, "cuda")
+        for config in sm.CANDIDATES:
+            sm.norm_gate_up_silu(x, g, 1e-6, _empty(2 * F, C, dtype=dtype), workspace=ws, config=config)
+        return
+    w_qkv = _empty((H + 2 * Hkv) * D, C, dtype=dtype)
+    sm.norm_linear(x, g, 1e-6, w_qkv, workspace=ws)
+    sm.norm_linear(x, g, 1e-6, w_qkv, _empty((H + 2 * Hkv) * D, dtype=dtype), workspace=ws)  # Qwen2's q/k/v bias
+    sm.linear_residual(_empty(rows, H * D, dtype=dtype), _empty(C, H * D, dtype=dtype), x, workspace=ws)
+    sm.norm_gate_up_silu(x, g, 1e-6, _empty(2 * F, C, dtype=dtype), workspace=ws, pdl=True)
+    sm.linear_residual(_empty(rows, F, dtype=dtype), _empty(C, F, dtype=dtype), x, workspace=ws)
+
+
+def _moe(cfg: ModelConfig, dtype: torch.dtype, T: int, backward: str = "v1", candidate: int = 0) -> None:
     # Autograd cannot run on fake CUDA tensors in a CPU build of torch (its graph nodes take a CUDA
     # device guard), so the training step calls the forward and backward launchers FusedMoEFunction
     # calls, in the same order.
@@ -115,9 +139,23 @@ def _moe(cfg: ModelConfig, dtype: torch.dtype, T: int) -> None:
     E, K, C, F = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     x, w13, w2 = _empty(T, C, dtype=dtype), _empty(E, 2 * F, C, dtype=dtype), _empty(E, C, F, dtype=dtype)
     tw, ids = _empty(T, K, dtype=dtype), _empty(T, K, dtype=torch.int64)
-    fm.fused_moe(x, w13, w2, tw, ids)                                  # inference: no pre-activations saved
-    _, (moe_cfg, align, gu) = fm._forward(x, w13, w2, tw, ids, save_preact=True)  # training forward
-    fm._backward(_empty(T, C, dtype=dtype), x, w13, w2, tw, gu, moe_cfg, align)
+    if backward == "v1":
+        fm.fused_moe(x, w13, w2, tw, ids)                              # inference: no pre-activations saved
+        _, (moe_cfg, align, gu) = fm._forward(x, w13, w2, tw, ids, save_preact=True)  # training forward
+        fm._backward(_empty(T, C, dtype=dtype), x, w13, w2, tw, gu, moe_cfg, align)
+        return
+    # the sorted path with every kernel's tiles pinned to candidate `candidate` of the shape class (its
+    # last one where a kernel has fewer): no timing on a fake device
+    from rlengine.kernels import moe_tuning as mt
+    from rlengine.kernels.moe_gemm import shape_class
+
+    pinned = fm.select_config(T * K, E, C, F)
+    for kernel in mt.CANDIDATES:
+        cands = mt.candidates(kernel, shape_class(T * K, E), C, F)
+        pinned = mt.with_tiles(pinned, kernel, cands[min(candidate, len(cands) - 1)]) if cands else pinned
+    with fm.pin_config(pinned):
+        _, (moe_cfg, align, gu) = fm._forward(x, w13, w2, tw, ids, save_preact=True, gu_sorted=True)
+        fm._backward(_empty(T, C, dtype=dtype), x, w13, w2, tw, gu, moe_cfg, align, variant="sorted")
 
 
 def _moe_align(cfg: ModelConfig, num_pairs: int) -> None:
@@ -186,6 +224,14 @@ def cases(models: tuple[str, ...] = MODELS) -> list[Case]:
                                     lambda c=cfg, d=dtype, r=rows, s=s: _cascade(c, d, r, s)))
         for dtype in HALF:
             out.append(Case(f"{name}/norms/{_dt(dtype)}", dtype, lambda c=cfg, d=dtype: _norms(c, d)))
+        if not cfg.num_experts:  # the fused decode layer (small-M GEMMs): dense models
+            for dtype in HALF:
+                for rows in (1, 64):
+                    out.append(Case(f"{name}/small_m_gemm/{_dt(dtype)}/M={rows}", dtype,
+                                    lambda c=cfg, d=dtype, r=rows: _small_m(c, d, r, False)))
+            if name == MODELS[0]:
+                out.append(Case(f"{name}/small_m_gemm/bfloat16/candidates", torch.bfloat16,
+                                lambda c=cfg: _small_m(c, torch.bfloat16, 1, True)))
         if not cfg.num_experts:  # batch-invariant mode: dense models
             for dtype in ALL:
                 out.append(Case(f"{name}/invariant/{_dt(dtype)}", dtype, lambda c=cfg, d=dtype: _invariant(c, d)))
@@ -198,6 +244,10 @@ def cases(models: tuple[str, ...] = MODELS) -> list[Case]:
                 for T in MOE_TOKENS:
                     out.append(Case(f"{name}/fused_moe/{_dt(dtype)}/T={T}", dtype,
                                     lambda c=cfg, d=dtype, T=T: _moe(c, d, T)))
+                for T, n in zip(MOE_TOKENS[2:], MOE_SORTED_CANDIDATES):  # the sorted path: training shapes
+                    for i in range(n if dtype == torch.bfloat16 else 1):  # every candidate in bf16, the first in fp16
+                        out.append(Case(f"{name}/fused_moe_sorted/{_dt(dtype)}/T={T}/candidate={i}", dtype,
+                                        lambda c=cfg, d=dtype, T=T, i=i: _moe(c, d, T, "sorted", i)))
             from rlengine.kernels.moe_align import MAX_KERNEL_PAIRS
             n = 16
             while n <= MAX_KERNEL_PAIRS:

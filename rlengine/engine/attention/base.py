@@ -64,6 +64,7 @@ class AttentionBackend:
     supports_shared_prefix = False
     shared_prefix_by_default = False  # LLM(shared_prefix_decode=None): on only where measured faster than plain
     cascade_max_rows = 64  # most batch rows one prefix work item scores together
+    decode_kernels = "torch"  # the model's decode layer path (EngineSpec.decode_kernels; model/fused_decode.py)
 
     def __init__(self, kv_cache: KVCache, num_heads: int, head_dim: int, max_num_seqs: int):
         self.kv = kv_cache
@@ -126,6 +127,19 @@ class AttentionBackend:
                 return self._context.attend(self._prefill, layer_id, q_THD, k_cache, v_cache)
             return self._prefill.attend(layer_id, q_THD, k_TKD, v_TKD)
         return self.decode(layer_id, q_THD, k_cache, v_cache)
+
+    def fused_kv_target(self, layer_id: int, dtype: torch.dtype):
+        """(k_cache, v_cache, slot_mapping) for a decode step whose q/k-norm + RoPE kernel also writes the
+        step's K/V (kernels/fused_norm.py kv_cache=; then attend_stored), or None: prefill steps, a cache
+        in another dtype, or a backend whose attend() is its own store and attend in attend()."""
+        if self.batch is None or self.batch.kind != "decode" or type(self).attend is not AttentionBackend.attend:
+            return None
+        k_cache, v_cache = self.kv.k[layer_id], self.kv.v[layer_id]
+        return (k_cache, v_cache, self.batch.slot_mapping) if k_cache.dtype == dtype else None
+
+    def attend_stored(self, layer_id: int, q_BHD: torch.Tensor) -> torch.Tensor:
+        """Decode attention of a step whose K/V a fused kernel already stored (fused_kv_target)."""
+        return self.decode(layer_id, q_BHD, self.kv.k[layer_id], self.kv.v[layer_id])
 
     def decode(self, layer_id: int, q_BHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -25,8 +25,8 @@ FIELD_DOCS: dict[str, str] = {
     "model.lora_target_modules": "PEFT names q_proj k_proj v_proj o_proj gate_proj up_proj down_proj (list or "
                                  "comma-separated), or all-linear",
     "model.lora_path": "a PEFT adapter directory (adapter_config.json) to start from; empty = a fresh adapter",
-    "model.lora_modules_to_save": "PEFT's modules_to_save: lm_head trains a full, untied copy of the LM head beside "
-                                  "the adapters (the KL reference keeps the base head)",
+    "model.lora_modules_to_save": "PEFT's modules_to_save: lm_head and/or embed_tokens train full copies (tied embeddings: "
+                                  "one copy for both); the KL reference keeps the base",
     # [task]
     "task.name": "built-in task (first-digit, copy-digits, ...) or jsonl for a data file",
     "task.path": "training JSONL file for name = jsonl ({prompt, answer} or GSM8K rows; rlengine:PATH = packaged)",
@@ -59,6 +59,8 @@ FIELD_DOCS: dict[str, str] = {
                        "skinny | a saved table's .json (pinned)",
     "gen.shared_prefix_decode": "read a group's shared prompt pages once per decode step (cascade attention): "
                                 "auto (cpp on, triton off) | true | false",
+    "gen.decode_kernels": "GPU decode layer path: torch (default until a GPU run measures fused faster) | fused "
+                          "(six launches a dense layer)",
     # [train]
     "train.algo": "estimator + policy loss shorthand: "
                   + "; ".join(f"{a.name} = {a.summary}" for a in ALGORITHMS.values()),

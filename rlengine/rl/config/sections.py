@@ -46,7 +46,7 @@ class ModelSection:
     lora_dropout: float = 0.0
     lora_target_modules: str | tuple[str, ...] = "all-linear"  # PEFT names (q_proj, ..., down_proj) or all-linear
     lora_path: str = ""                  # a PEFT adapter directory to start from ("" = a fresh adapter)
-    lora_modules_to_save: str | tuple[str, ...] = ()  # PEFT's modules_to_save: ["lm_head"] trains a full head copy
+    lora_modules_to_save: str | tuple[str, ...] = ()  # PEFT's modules_to_save: lm_head, embed_tokens (full copies)
 
     def __post_init__(self):
         _check(self.lora_r >= 0, f"model.lora_r must be >= 1 (or 0 for no LoRA), got {self.lora_r}")
@@ -123,6 +123,9 @@ class GenSection:
     # decode a GRPO group's shared prompt pages once per group (cascade attention; cpp / triton backends):
     # auto = the backend's measured default (on for cpp, off for triton) | true | false
     shared_prefix_decode: bool | str = "auto"
+    # GPU decode layer path: torch (today's kernels; the default until a GPU run measures fused faster) |
+    # fused (six launches a dense layer: model/fused_decode.py)
+    decode_kernels: str = "torch"
 
     def __post_init__(self):
         _check(self.b_gen >= 0, f"gen.b_gen must be >= 0, got {self.b_gen}")
@@ -135,6 +138,8 @@ class GenSection:
         _check(self.cpu_kernels in ("measure", "cache", "torch", "skinny") or self.cpu_kernels.endswith(".json"),
                f"gen.cpu_kernels must be measure|cache|torch|skinny or a saved table's .json path, "
                f"got {self.cpu_kernels!r}")
+        _check(self.decode_kernels in ("torch", "fused"),
+               f"gen.decode_kernels must be torch|fused, got {self.decode_kernels!r}")
         _check(isinstance(self.shared_prefix_decode, bool) or self.shared_prefix_decode == "auto",
                f"gen.shared_prefix_decode must be auto, true or false, got {self.shared_prefix_decode!r}")
 
