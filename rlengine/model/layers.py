@@ -134,9 +134,7 @@ class SwiGLUMLP(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, linear, silu_and_mul) -> torch.Tensor:
         """The no-grad fast path with the device's kernels (FusedOps.linear / .silu_and_mul)."""
-        gu = linear(x, self.gate_up_proj.weight)
-        if self.gate_up_lora is not None:
-            gu = self.gate_up_lora.fused(x, gu, linear)
+        w_gu, w_down = self.gate_up_proj.weight, self.down_proj.weight
+        gu = linear(x, w_gu) if self.gate_up_lora is None else self.gate_up_lora.project(x, w_gu, linear)
         a = silu_and_mul(gu)
-        out = linear(a, self.down_proj.weight)
-        return out if self.down_lora is None else self.down_lora.fused(a, out, linear)
+        return linear(a, w_down) if self.down_lora is None else self.down_lora.project(a, w_down, linear)

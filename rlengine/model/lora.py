@@ -5,7 +5,9 @@ optimizer step on them is what the engine decodes with at its next step: no merg
 take PEFT's names (q_proj ... down_proj, or all-linear); rlengine fuses q/k/v into qkv_proj and
 gate/up into gate_up_proj, so one LoraAdapter serves one rlengine projection and holds the targets
 fused into it:
-- lora_A [n*r, C]: the n targets' A matrices stacked (one GEMM x A^T for all of them);
+- lora_A [n*r, C]: the n targets' A matrices stacked (one GEMM x A^T for all of them), stored right
+  behind the projection's frozen W in one allocation (colocate): the engine's no-grad path computes
+  x [W; A]^T, base output and x A^T, in one GEMM (LoraAdapter.project);
 - lora_B [O, n*r]: block-diagonal, target i's B in its output rows and its r columns, zeros
   elsewhere. The differentiable paths multiply by a fixed 0/1 mask, so the off-block zeros get no
   gradient and stay exactly zero under AdamW (zero grad, zero moments, decay of 0 is 0); the engine's
@@ -14,15 +16,20 @@ fused into it:
   the base projection's O * C at r << C.
 Simplification: the targets fused into one projection share one dropout mask on x (PEFT draws one per
 target); equal in distribution per target and identical without dropout, the RL default.
-The scale s = lora_alpha / r (PEFT without rslora); the delta is added as y + d * s, two correctly
-rounded elementwise ops, so the vector body and scalar tail of torch's loops give the same bits (the
-batch-invariant mode relies on that). Init as PEFT: A kaiming-uniform(a=sqrt(5)), B zeros.
+The scale s = lora_alpha / r (PEFT without rslora); the learner's and the batch-invariant paths add the
+delta as y + d * s, two correctly rounded elementwise ops, so the vector body and scalar tail of torch's
+loops give the same bits (the batch-invariant mode relies on that); the engine's fast path adds s * d
+into the B GEMM's output in place, one rounding (within the engine-learner bound, not bitwise).
+Init as PEFT: A kaiming-uniform(a=sqrt(5)), B zeros.
 MoE experts take no adapters (ConfigError); attention projections of an MoE model may.
-modules_to_save (PEFT's name; "lm_head" is the one rlengine takes): the LM head is replaced by a
-SavedHead holding the frozen base head and a trainable full copy of it, as PEFT's ModulesToSaveWrapper.
-With tied embeddings the copy is untied, as PEFT does without ensure_weight_tying: the input embeddings
-stay the frozen base and only the output head trains. The engine and the learner both read
-lm_head.weight, which is the copy (the same tensor: no sync); adapters_disabled gives the base head.
+modules_to_save (PEFT's names; rlengine takes "lm_head" and "embed_tokens"): the module is replaced by a
+SavedHead (SavedEmbedding) holding the frozen base and a trainable full copy of it, as PEFT's
+ModulesToSaveWrapper. On a base with tied embeddings, a saved lm_head alone is an untied copy (PEFT without
+ensure_weight_tying: the input embeddings stay the base); a saved embed_tokens with ensure_weight_tying
+(what rlengine's own specs set) is one trainable copy that the head reads too, as PEFT ties them, so the
+pair trains as full fine-tuning trains the tied matrix. The engine and the learner both read
+lm_head.weight / embed_tokens' weight, which is the copy (the same tensor: no sync); adapters_disabled
+gives the base.
 
 Dimension legend: T tokens, C input features, O output features, r rank, n targets fused in one projection.
 """
@@ -30,6 +37,7 @@ Dimension legend: T tokens, C input features, O output features, r rank, n targe
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
 
@@ -46,7 +54,7 @@ PROJECTIONS = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
                "o_proj": ("self_attn", ("o_proj",)),
                "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
                "down_proj": ("mlp", ("down_proj",))}
-SAVE_MODULES = ("lm_head",)  # modules_to_save rlengine trains as full copies (PEFT's names)
+SAVE_MODULES = ("embed_tokens", "lm_head")  # modules_to_save rlengine trains as full copies (PEFT's names)
 ADAPTER_ATTR = {"qkv_proj": "qkv_lora", "o_proj": "o_lora", "gate_up_proj": "gate_up_lora", "down_proj": "down_lora"}
 
 
@@ -76,6 +84,7 @@ class LoraSpec:
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q_proj", "v_proj")  # resolved names (resolve_targets)
     modules_to_save: tuple[str, ...] = ()  # trainable full copies (SAVE_MODULES), PEFT's modules_to_save
+    ensure_weight_tying: bool = False  # PEFT's: a saved embed_tokens is also the head of a tied base
 
     def __post_init__(self):
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -91,6 +100,10 @@ class LoraSpec:
             raise ConfigError(f"model.lora_modules_to_save: {', '.join(map(repr, bad))} is not supported; "
                               f"allowed: {', '.join(SAVE_MODULES)} (or empty)")
         object.__setattr__(self, "modules_to_save", tuple(dict.fromkeys(saved)))
+
+    def ties(self, cfg: ModelConfig) -> bool:
+        """One trained copy for the embeddings and the head (ensure_weight_tying on a tied base)."""
+        return self.ensure_weight_tying and cfg.tie_word_embeddings and "embed_tokens" in self.modules_to_save
 
     @property
     def scale(self) -> float:
@@ -124,6 +137,8 @@ class LoraAdapter(nn.Module):
         self.register_buffer("mask", mask, persistent=False)
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
         self.enabled = True  # adapters_disabled() switches it off (the KL reference: the base model)
+        self._joint_key: tuple | None = None  # (W, A addresses) that _joint last checked, and its answer
+        self._joint_ok = False
 
     def blocks(self):
         """(first output row, first column of A's rows / B's columns, rows) of each targeted slice."""
@@ -150,10 +165,41 @@ class LoraAdapter(nn.Module):
         return y_TO + d * self.scale
 
     def fused(self, x_TC: torch.Tensor, y_TO: torch.Tensor, linear) -> torch.Tensor:
-        """The engine's no-grad path with the projections' kernel choice `linear(x, w)` (FusedOps.linear)."""
+        """The engine's no-grad path with the projections' kernel choice `linear(x, w)` (FusedOps.linear):
+        one GEMM for the stacked A, one for the block-diagonal B, whose product is added into y IN PLACE
+        with the scale (y + s * d rounded once; y is the projection's fresh output): no scaled copy of d
+        and no new output, two elementwise passes fewer than y + d * s."""
         if not self.enabled:
             return y_TO
-        return y_TO + linear(linear(x_TC, self.lora_A), self.lora_B) * self.scale
+        return y_TO.add_(linear(linear(x_TC, self.lora_A), self.lora_B), alpha=self.scale)
+
+    def project(self, x_TC: torch.Tensor, w_OC: torch.Tensor, linear) -> torch.Tensor:
+        """The engine's no-grad path for a bias-free projection with its adapter: x W^T + s (x A^T) B^T
+        [T, O] in the compute dtype, with `linear(x, w)` (FusedOps.linear, the kernel choice). Where A
+        sits right behind W in one allocation (colocate) one GEMM on [W; A] gives x W^T and x A^T
+        together; the B GEMM's output then takes y + s * d in place (one rounding): three ops, against
+        four for fused() and five for y + d * s. Elsewhere (moved or sharded parameters) fused()."""
+        if not self.enabled:
+            return linear(x_TC, w_OC)
+        if not self._joint(w_OC):
+            return self.fused(x_TC, linear(x_TC, w_OC), linear)
+        O, C = w_OC.shape
+        yx_TJ = linear(x_TC, w_OC.as_strided((O + self.lora_A.shape[0], C), (C, 1)))  # [T, O + n*r]
+        d_TO = linear(yx_TJ[:, O:], self.lora_B)
+        return torch.add(yx_TJ[:, :O], d_TO, alpha=self.scale, out=d_TO)
+
+    def _joint(self, w_OC: torch.Tensor) -> bool:
+        """Whether A's rows follow W's in W's own storage ([W; A] is one [O + n*r, C] tensor); checked
+        again only when either address changes (no extra cost per step)."""
+        A = self.lora_A
+        key = (w_OC.data_ptr(), A.data_ptr())
+        if key != self._joint_key:
+            self._joint_key = key
+            self._joint_ok = (A.dtype == w_OC.dtype and A.device == w_OC.device and w_OC.is_contiguous()
+                              and A.is_contiguous() and A.shape[1] == w_OC.shape[1] and w_OC.dim() == 2
+                              and A.untyped_storage().data_ptr() == w_OC.untyped_storage().data_ptr()
+                              and A.data_ptr() == w_OC.data_ptr() + w_OC.numel() * w_OC.element_size())
+        return self._joint_ok
 
     def invariant(self, x_TC: torch.Tensor, y_TO: torch.Tensor, inv_linear) -> torch.Tensor:
         """The batch-invariant path (both sides, with or without autograd): the invariant linear twice."""
@@ -164,18 +210,21 @@ class LoraAdapter(nn.Module):
 
 class SavedHead(nn.Module):
     """PEFT's modules_to_save for the LM head: the frozen base head (original_module; with tied embeddings
-    its weight is embed_tokens') and a trainable full copy (modules_to_save). `weight` is the copy, or the
-    base while `enabled` is False (adapters_disabled: the KL reference). Every caller of lm_head.weight
-    (the engine's logits, the learner's log-prob head, CUDA graphs) reads the live copy."""
+    its weight is embed_tokens') and a trainable full copy (modules_to_save), or, tied (`tied`: a saved
+    embedding's copy), that copy's own parameter. `weight` is the copy, or the base while `enabled` is
+    False (adapters_disabled: the KL reference). Every caller of lm_head.weight (the engine's logits, the
+    learner's log-prob head, CUDA graphs) reads the live copy."""
 
-    def __init__(self, base: nn.Linear):
+    def __init__(self, base: nn.Module, tied: nn.Parameter | None = None):
         super().__init__()
         self.original_module = base
-        self.modules_to_save = nn.Linear(base.in_features, base.out_features, bias=False,
-                                         device=base.weight.device, dtype=base.weight.dtype)
-        with torch.no_grad():
-            self.modules_to_save.weight.copy_(base.weight)
-        self.in_features, self.out_features = base.in_features, base.out_features
+        if tied is None:
+            self.modules_to_save = copy.deepcopy(base).requires_grad_(True)  # a new tensor, untied
+        else:
+            self.modules_to_save = nn.Module()
+            self.modules_to_save.weight = tied
+        if isinstance(base, nn.Linear):
+            self.in_features, self.out_features = base.in_features, base.out_features
         self.enabled = True
 
     @property
@@ -184,6 +233,30 @@ class SavedHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+class SavedEmbedding(SavedHead):
+    """modules_to_save for the input embeddings (nn.Embedding): token ids [T] -> rows of `weight` [T, C]."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+@torch.no_grad()
+def colocate(base: nn.Linear, adapter: LoraAdapter) -> None:
+    """Put the adapter's A right behind the projection's frozen W in one allocation [W; A] (their values
+    unchanged; W frozen and A trainable as before, each a view of it), so the engine computes x W^T and
+    x A^T in one GEMM (LoraAdapter.project). No copy stays behind: W's and A's old storage is freed.
+    Moving or sharding the parameters later (.to(), FSDP) separates them again; project() then
+    runs the two GEMMs."""
+    w, a = base.weight, adapter.lora_A
+    if w.dtype != a.dtype or w.device != a.device or w.dim() != 2 or a.shape[1] != w.shape[1]:
+        return
+    joint = torch.empty(w.shape[0] + a.shape[0], w.shape[1], dtype=w.dtype, device=w.device)
+    joint[:w.shape[0]].copy_(w)
+    joint[w.shape[0]:].copy_(a)
+    base.weight = nn.Parameter(joint[:w.shape[0]], requires_grad=w.requires_grad)
+    adapter.lora_A = nn.Parameter(joint[w.shape[0]:], requires_grad=a.requires_grad)
 
 
 def _owner(layer: nn.Module, proj: str) -> nn.Module:
@@ -218,7 +291,13 @@ def add_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0) -> list[nn.Para
             adapter = LoraAdapter(base.in_features, _slices(cfg, proj), targeted, spec)
             adapter.reset_parameters(gen)
             setattr(_owner(layer, proj), ADAPTER_ATTR[proj], adapter.to(device=device, dtype=dtype))
-    if "lm_head" in spec.modules_to_save:
+            if base.bias is None:
+                colocate(base, adapter)
+    if "embed_tokens" in spec.modules_to_save:
+        model.model.embed_tokens = SavedEmbedding(model.model.embed_tokens)
+    if spec.ties(cfg):  # ensure_weight_tying: the head reads the trained embeddings, as the base ties them
+        model.lm_head = SavedHead(model.lm_head, tied=model.model.embed_tokens.modules_to_save.weight)
+    elif "lm_head" in spec.modules_to_save:
         model.lm_head = SavedHead(model.lm_head)
     model.lora = spec  # a plain attribute: the spec the adapters were built from
     return lora_parameters(model)
@@ -238,17 +317,22 @@ def saved_modules(model: nn.Module) -> list[SavedHead]:
 
 
 def unwrap_saved_head(model: nn.Module) -> None:
-    """Make a trained head (SavedHead) the model's plain LM head, for a merged export: lm_head is the
-    trained copy and, the copy differing from the embeddings, the config no longer ties them."""
+    """Make trained copies (SavedHead, SavedEmbedding) the model's plain modules, for a merged export; the
+    config ties the embeddings only while the head and the embeddings are still one tensor."""
+    if isinstance(model.model.embed_tokens, SavedEmbedding):
+        model.model.embed_tokens = model.model.embed_tokens.modules_to_save
     if isinstance(model.lm_head, SavedHead):
-        model.lm_head = model.lm_head.modules_to_save
-        model.config.tie_word_embeddings = False
+        w = model.lm_head.modules_to_save.weight
+        model.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        model.lm_head.weight = w
+    model.config.tie_word_embeddings = model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The adapter parameters, in module order (A then B of each projection), then the trained copies."""
+    """The adapter parameters, in module order (A then B of each projection), then the trained copies
+    (a tied copy once)."""
     return [p for a in adapters(model) for p in (a.lora_A, a.lora_B)] + \
-        [m.modules_to_save.weight for m in saved_modules(model)]
+        list(dict.fromkeys(m.modules_to_save.weight for m in saved_modules(model)))
 
 
 def is_lora_parameter(name: str) -> bool:
@@ -283,8 +367,8 @@ def lora_param_count(cfg: ModelConfig, spec: LoraSpec) -> int:
 
 
 def _saved_count(cfg: ModelConfig, spec: LoraSpec) -> int:
-    """Elements of the trained full copies (modules_to_save): V * C for the LM head."""
-    return cfg.vocab_size * cfg.hidden_size if "lm_head" in spec.modules_to_save else 0
+    """Elements of the trained full copies (modules_to_save): V * C each, one copy when tied."""
+    return cfg.vocab_size * cfg.hidden_size * (1 if spec.ties(cfg) else len(spec.modules_to_save))
 
 
 def lora_stored_count(cfg: ModelConfig, spec: LoraSpec) -> int:
@@ -313,5 +397,6 @@ def lora_spec_of(section) -> LoraSpec | None:
     saved = getattr(section, "lora_modules_to_save", ())
     if isinstance(saved, str):
         saved = tuple(t.strip() for t in saved.split(",") if t.strip())
+    saved = tuple(saved or ())
     return LoraSpec(r=section.lora_r, alpha=float(section.lora_alpha), dropout=float(section.lora_dropout),
-                    targets=targets, modules_to_save=tuple(saved or ()))
+                    targets=targets, modules_to_save=saved, ensure_weight_tying="embed_tokens" in saved)

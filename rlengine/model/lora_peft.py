@@ -5,8 +5,9 @@ lora_A and one [C_out, r] lora_B per targeted HF projection per layer, under PEF
 (base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight). rlengine's fused adapters
 (one A stack and one block-diagonal B per rlengine projection) split into those tensors on save and
 are assembled from them on load. A trained LM head (modules_to_save = ["lm_head"], lora.SavedHead) is
-base_model.model.lm_head.weight, as PEFT saves its ModulesToSaveWrapper. peft itself is not needed at run time: the format is a JSON file and
-safetensors. Errors (ConfigError) name the file and what disagrees: another base model's shapes, a
+base_model.model.lm_head.weight and trained embeddings base_model.model.model.embed_tokens.weight, as PEFT
+saves its ModulesToSaveWrapper; tied (ensure_weight_tying) both are written, as PEFT writes them. peft
+itself is not needed at run time: the format is a JSON file and safetensors. Errors (ConfigError) name the file and what disagrees: another base model's shapes, a
 rank or target set that differs from the config, a LoRA variant rlengine does not compute (rslora,
 DoRA, biases, per-module ranks).
 """
@@ -21,12 +22,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rlengine.model.config import ConfigError
-from rlengine.model.lora import ADAPTER_ATTR, PROJECTIONS, SAVE_MODULES, LoraAdapter, LoraSpec, lora_spec
+from rlengine.model.lora import ADAPTER_ATTR, PROJECTIONS, SAVE_MODULES, LoraAdapter, LoraSpec, SavedHead, lora_spec
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 HEAD_NAME = f"{PREFIX}lm_head.weight"  # a trained head (modules_to_save), PEFT's key
+EMBED_NAME = f"{PREFIX}model.embed_tokens.weight"  # trained input embeddings
 
 
 def _adapter_slots(model):
@@ -56,9 +58,32 @@ def peft_tensors(model) -> dict[str, torch.Tensor]:
         for a_name, b_name, a_rows, b_block in _pieces(i, proj, adapter):
             out[a_name] = A[a_rows].cpu().clone().contiguous()
             out[b_name] = B[b_block].cpu().clone().contiguous()
-    if "lm_head" in lora_spec(model).modules_to_save:
-        out[HEAD_NAME] = model.lm_head.modules_to_save.weight.detach().cpu().clone().contiguous()
+    for name, module in _saved_slots(model):
+        out[name] = module.modules_to_save.weight.detach().cpu().clone().contiguous()
     return out
+
+
+def _saved_slots(model):
+    """(PEFT key, SavedHead or SavedEmbedding) of every trained copy (modules_to_save); a tied head too."""
+    for name, module in ((EMBED_NAME, model.model.embed_tokens), (HEAD_NAME, model.lm_head)):
+        if isinstance(module, SavedHead):
+            yield name, module
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: an FSDP-sharded parameter (a DTensor) all-gathered into a new tensor (a collective:
+    every rank loads the same adapter in the same order), a plain parameter itself."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+def _assign(param: torch.Tensor, full: torch.Tensor) -> None:
+    """param <- full in place; a sharded parameter takes its own shard of `full` (no communication)."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = distribute_tensor(full.to(param.device, param.dtype), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    param.copy_(full)
 
 
 @torch.no_grad()
@@ -69,18 +94,24 @@ def load_peft_tensors(model, tensors: dict[str, torch.Tensor], *, source: str = 
                .replace(".modules_to_save.default.", "."): v for k, v in tensors.items()}
     used = set()
     spec = lora_spec(model)
-    if spec is not None and "lm_head" in spec.modules_to_save:
-        if HEAD_NAME not in tensors:
-            raise ConfigError(f"{source}: tensor {HEAD_NAME!r} is missing (modules_to_save names lm_head)")
-        dst = model.lm_head.modules_to_save.weight
-        if tuple(tensors[HEAD_NAME].shape) != tuple(dst.shape):
-            raise ConfigError(f"{source}: tensor {HEAD_NAME!r} has shape {tuple(tensors[HEAD_NAME].shape)}, this "
-                              f"base model needs {tuple(dst.shape)} (an adapter for another base model or vocabulary)")
-        dst.copy_(tensors[HEAD_NAME])
-        used.add(HEAD_NAME)
+    tied = spec is not None and spec.ties(model.config)
+    for name, module in _saved_slots(model):
+        if name not in tensors:
+            if tied and name == HEAD_NAME:  # the tied head is the embeddings' copy, already loaded
+                continue
+            raise ConfigError(f"{source}: tensor {name!r} is missing (modules_to_save names {name.split('.')[-2]})")
+        param = module.modules_to_save.weight
+        if tuple(tensors[name].shape) != tuple(param.shape):
+            raise ConfigError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, this "
+                              f"base model needs {tuple(param.shape)} (an adapter for another base model or vocabulary)")
+        if tied and name == HEAD_NAME and not torch.equal(tensors[name], tensors[EMBED_NAME]):
+            raise ConfigError(f"{source}: ensure_weight_tying, but {HEAD_NAME!r} differs from {EMBED_NAME!r}")
+        _assign(param, tensors[name].to(param.dtype))
+        used.add(name)
     for i, proj, adapter in _adapter_slots(model):
+        A, B = _full(adapter.lora_A), _full(adapter.lora_B)
         for a_name, b_name, a_rows, b_block in _pieces(i, proj, adapter):
-            for name, dst in ((a_name, adapter.lora_A[a_rows]), (b_name, adapter.lora_B[b_block])):
+            for name, dst in ((a_name, A[a_rows]), (b_name, B[b_block])):
                 if name not in tensors:
                     raise ConfigError(f"{source}: tensor {name!r} is missing (an adapter for other target modules?)")
                 t = tensors[name]
@@ -89,6 +120,9 @@ def load_peft_tensors(model, tensors: dict[str, torch.Tensor], *, source: str = 
                                       f"rank need {tuple(dst.shape)} (an adapter for another base model or shape)")
                 dst.copy_(t)
                 used.add(name)
+        if A is not adapter.lora_A:  # sharded parameters: each rank keeps its shard of the filled full tensors
+            _assign(adapter.lora_A, A)
+            _assign(adapter.lora_B, B)
     extra = sorted(set(tensors) - used)
     if extra:
         raise ConfigError(f"{source}: {len(extra)} tensor(s) this model has no adapter for, e.g. {extra[0]!r} "
@@ -101,7 +135,9 @@ def adapter_config(spec: LoraSpec, base_model: str) -> dict:
             "r": spec.r, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
             "target_modules": list(spec.targets), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-            "modules_to_save": list(spec.modules_to_save) or None, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None}
+            "modules_to_save": list(spec.modules_to_save) or None,
+            "ensure_weight_tying": spec.ensure_weight_tying, "rank_pattern": {}, "alpha_pattern": {},
+            "layers_to_transform": None}
 
 
 def save_adapter(model, path: str | Path, *, base_model: str) -> Path:
@@ -109,12 +145,18 @@ def save_adapter(model, path: str | Path, *, base_model: str) -> Path:
     spec = lora_spec(model)
     if spec is None:
         raise ValueError("save_adapter: the model has no LoRA adapters")
+    return write_adapter(path, peft_tensors(model), adapter_config(spec, base_model))
+
+
+def write_adapter(path: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """Write PEFT's two files from host tensors (peft_tensors) and a config (adapter_config): save_adapter's
+    second half, for a caller that took the tensors earlier (an FSDP save takes them while unsharded)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / (WEIGHTS_NAME + ".tmp")
-    save_file(peft_tensors(model), str(tmp), metadata={"format": "pt"})
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(path / WEIGHTS_NAME)
-    (path / CONFIG_NAME).write_text(json.dumps(adapter_config(spec, base_model), indent=2))
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2))
     return path
 
 
@@ -135,17 +177,17 @@ def read_adapter_spec(path: str | Path) -> LoraSpec:
     for key in ("rank_pattern", "alpha_pattern", "layers_to_transform"):
         if raw.get(key):
             raise ConfigError(f"{cfg_path}: {key} is not supported (one rank and alpha on every layer)")
-    saved = raw.get("modules_to_save") or []
-    if raw.get("ensure_weight_tying") or raw.get("trainable_token_indices") or \
-            any(m not in SAVE_MODULES for m in saved):
-        raise ConfigError(f"{cfg_path}: modules_to_save {saved!r} / ensure_weight_tying / trainable_token_indices: "
-                          f"only modules_to_save = {list(SAVE_MODULES)!r} (an untied trained head) is supported")
+    raw_saved = raw.get("modules_to_save") or []
+    saved = tuple(dict.fromkeys(m.split(".")[-1] for m in raw_saved))  # PEFT adds "model.embed_tokens" when tying
+    if raw.get("trainable_token_indices") or any(m not in SAVE_MODULES for m in saved):
+        raise ConfigError(f"{cfg_path}: modules_to_save {raw_saved!r} / trainable_token_indices: only "
+                          f"modules_to_save within {list(SAVE_MODULES)!r} is supported")
     targets = raw.get("target_modules")
     if isinstance(targets, str) and targets != "all-linear":
         raise ConfigError(f"{cfg_path}: target_modules as a regular expression is not supported; list the names")
     return LoraSpec(r=int(raw["r"]), alpha=float(raw.get("lora_alpha", 8)), dropout=float(raw.get("lora_dropout", 0.0)),
                     targets=tuple([targets] if isinstance(targets, str) else targets or ()),
-                    modules_to_save=tuple(saved))
+                    modules_to_save=saved, ensure_weight_tying=bool(raw.get("ensure_weight_tying", False)))
 
 
 def load_adapter(model, path: str | Path) -> None:
@@ -169,8 +211,8 @@ def job_lora_spec(section) -> LoraSpec | None:
     if not section.lora_path:
         return spec
     saved = read_adapter_spec(section.lora_path)
-    if spec is not None and (spec.r, spec.targets, spec.modules_to_save) != (saved.r, saved.targets,
-                                                                             saved.modules_to_save):
+    if spec is not None and (spec.r, spec.targets, set(spec.modules_to_save), spec.ensure_weight_tying) != (
+            saved.r, saved.targets, set(saved.modules_to_save), saved.ensure_weight_tying):
         raise ConfigError(f"model.lora_path {section.lora_path!r} holds an adapter of r = {saved.r} on "
                           f"{', '.join(saved.targets)} saving {list(saved.modules_to_save)}; model.lora_r / "
                           f"lora_target_modules / lora_modules_to_save ask for r = {spec.r} on "

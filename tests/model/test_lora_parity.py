@@ -46,9 +46,10 @@ def checkpoints(tmp_path_factory):
     return {name: save_hf_model(build(), tmp_path_factory.mktemp(name) / "ckpt") for name, build in MODELS.items()}
 
 
-def _peft_model(path, targets, seed, saved=None):
+def _peft_model(path, targets, seed, saved=None, tie=False):
     """transformers model from `path` wrapped by PEFT, A and B random (seeded), eval mode. saved: PEFT's
-    modules_to_save; the trained copy of the head gets a random perturbation (else it equals the base)."""
+    modules_to_save (tie: ensure_weight_tying); each trained copy gets a random perturbation (else it
+    equals the base)."""
     import warnings
 
     from peft import LoraConfig, get_peft_model
@@ -58,7 +59,7 @@ def _peft_model(path, targets, seed, saved=None):
     with warnings.catch_warnings():  # PEFT warns that a tied head in modules_to_save is untied: what we test
         warnings.simplefilter("ignore")
         peft = get_peft_model(hf, LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=targets,
-                                             modules_to_save=saved))
+                                             modules_to_save=saved, ensure_weight_tying=tie))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft.named_parameters():
@@ -69,11 +70,12 @@ def _peft_model(path, targets, seed, saved=None):
     return peft.eval()
 
 
-def _ours(path, targets, peft, saved=()):
+def _ours(path, targets, peft, saved=(), tie=False):
     from peft import get_peft_model_state_dict
 
     model = load_pretrained(path, dtype=torch.float32)
-    add_lora(model, LoraSpec(r=R, alpha=ALPHA, dropout=0.0, targets=targets, modules_to_save=saved))
+    add_lora(model, LoraSpec(r=R, alpha=ALPHA, dropout=0.0, targets=targets, modules_to_save=saved,
+                             ensure_weight_tying=tie))
     load_peft_tensors(model, get_peft_model_state_dict(peft))
     return model
 
@@ -167,6 +169,57 @@ def test_trained_head_matches_peft_modules_to_save(checkpoints, name):
     assert ours.model.embed_tokens.weight.grad is None
 
 
+@pytest.mark.parametrize("name", ["qwen2_bias", "qwen3"], ids=["tied", "untied"])
+def test_trained_embeddings_match_peft_with_weight_tying(checkpoints, name, tmp_path):
+    """modules_to_save = [embed_tokens, lm_head], ensure_weight_tying: on a tied base one trained copy that the
+    embeddings and the head share (PEFT ties them), on an untied base two copies. Logits, the copies' gradients
+    and trainable counts equal PEFT's; adapters off is the base; our saved adapter loads in PEFT and PEFT's in
+    ours with the same logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlengine.model.lora_peft import load_lora, save_adapter
+
+    path, targets, saved = checkpoints[name], ["q_proj", "down_proj"], ("embed_tokens", "lm_head")
+    peft = _peft_model(path, targets, seed=21, saved=list(saved), tie=True)
+    ours = _ours(path, targets, peft, saved=saved, tie=True)
+    base = load_pretrained(path, dtype=torch.float32)
+    tied = name == "qwen2_bias"
+    assert base.config.tie_word_embeddings == tied and ours.lora.ties(ours.config) == tied
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    trainable = [p for p in ours.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in peft.parameters() if p.requires_grad) == lora_param_count(ours.config, ours.lora)
+    assert sorted(map(id, trainable)) == sorted(map(id, lora_parameters(ours)))  # a tied copy once
+    assert sum(p.numel() for p in trainable) == lora_stored_count(ours.config, ours.lora)
+    # HF's embeddings give the pad row no gradient (padding_idx); rlengine packs without padding: ids avoid it
+    ids = torch.randint(0, peft.config.vocab_size - 1, (2, 10), generator=torch.Generator().manual_seed(22))
+    ids += (ids >= peft.config.pad_token_id).long() if peft.config.pad_token_id is not None else 0
+    ref, got = peft(ids).logits, ours(ids)
+    assert (got - ref).abs().max().item() < 1e-4
+    with torch.no_grad():
+        assert (ours(ids, fast=True) - ref).abs().max().item() < 1e-4
+        with adapters_disabled(ours):
+            assert torch.equal(ours(ids), base(ids))
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(23))
+    (ref * g).sum().backward()
+    (got * g).sum().backward()
+    wrapped = peft.base_model.model
+    for mine, theirs in ((ours.model.embed_tokens, wrapped.model.embed_tokens), (ours.lm_head, wrapped.lm_head)):
+        want = theirs.modules_to_save["default"].weight.grad
+        scale = want.abs().max().item()  # tied: the embedding rows' gradient plus the head's, in both
+        assert scale > 0 and (mine.weight.grad - want).abs().max().item() < 1e-5 * scale
+    save_adapter(ours, tmp_path / "ours", base_model=str(path))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        assert (PeftModel.from_pretrained(hf, str(tmp_path / "ours")).eval()(ids).logits - ref).abs().max() < 1e-4
+        peft.save_pretrained(str(tmp_path / "theirs"))
+        theirs = load_pretrained(path, dtype=torch.float32)
+        load_lora(theirs, tmp_path / "theirs")
+        assert (theirs(ids) - ref).abs().max().item() < 1e-4
+        ours.model.embed_tokens.modules_to_save.weight.copy_(base.model.embed_tokens.weight)
+        assert (ours(ids) - ref).abs().max().item() > 1e-3, "the trained embeddings do not count: vacuous"
+
+
 def test_adapters_off_is_the_base_model(checkpoints):
     path = checkpoints["qwen3"]
     peft = _peft_model(path, "all-linear", seed=8)
@@ -206,7 +259,7 @@ def test_peft_round_trip_and_init(checkpoints):
     (dict(r=4, alpha=8.0, targets=("q_proj", "qkv_proj")), "unknown target module"),
     (dict(r=4, alpha=8.0, targets=()), "lora_target_modules"),
     (dict(r=4, alpha=8.0, dropout=1.0), "model.lora_dropout"),
-    (dict(r=4, alpha=8.0, modules_to_save=("embed_tokens",)), "model.lora_modules_to_save"),
+    (dict(r=4, alpha=8.0, modules_to_save=("norm",)), "model.lora_modules_to_save"),
 ])
 def test_bad_specs(kwargs, match):
     with pytest.raises(ConfigError, match=match):

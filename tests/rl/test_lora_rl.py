@@ -5,9 +5,10 @@ References: the engine-vs-learner bounds of tests/support/engine_learner_logprob
 LoRA; 0 in batch-invariant mode), the base model built without adapters, PEFT on transformers (a trained
 rlengine adapter loads in peft.PeftModel with the same logits, and a peft-made adapter loads in rlengine),
 and an uninterrupted run (a resumed run's metrics and adapters are the same bits). Adapters get random
-non-zero B everywhere, so no comparison passes with the adapters ignored. The run and the PEFT adapters
-train a full copy of the LM head too (modules_to_save = ["lm_head"]): saved, loaded, merged and decoded
-with; the reference keeps the base head.
+non-zero B everywhere, so no comparison passes with the adapters ignored. The PEFT adapters train a full
+copy of the LM head too (modules_to_save = ["lm_head"]), the run grpo.toml's tied copy of the embeddings and
+the head (["embed_tokens", "lm_head"], ensure_weight_tying): saved, loaded, merged and decoded with; the
+reference keeps the base.
 """
 
 import json
@@ -91,7 +92,7 @@ def tiny_dir(tmp_path_factory):
 def _lora_run(tmp_path, name, base, extra=()):
     return short_run_config(tmp_path, name, ["--model.name", str(base), "--model.lora_r", "4", "--train.lr", "2e-2",
                                              "--train.kl_coef", "0.05", "--train.updates", "2",
-                                             "--model.lora_modules_to_save", "lm_head",
+                                             "--model.lora_modules_to_save", "embed_tokens,lm_head",
                                              "--run.checkpoint_every", "1", *extra])
 
 
@@ -105,15 +106,17 @@ def test_training_resumes_bit_identical_keeps_the_base_saves_peft_adapters_and_e
     ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
     assert not (ckpt / "model").exists()  # the base is not saved again
     assert {p.name for p in (ckpt / "adapter").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
-    assert json.loads((ckpt / "adapter" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
+    config = json.loads((ckpt / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["embed_tokens", "lm_head"] and config["ensure_weight_tying"]
     record = json.loads((ckpt / "base.json").read_text())
     assert record["base_model"] == str(run / "base") and record["base_hash"].startswith("sha256:")
     # the base (the warm-started model) is unchanged, bit for bit, after training
     base = load_pretrained(run / "base")
-    trained = dict(full.model.named_parameters())
+    trained = {n.replace(".original_module.", "."): p for n, p in full.model.named_parameters()}
     assert all(torch.equal(trained[n], p) for n, p in base.named_parameters())
     assert sum(not is_lora_parameter(n) for n in trained) == len(list(base.parameters()))
-    assert not torch.equal(full.model.lm_head.weight, base.lm_head.weight)  # the head trained, untied
+    assert full.model.lm_head.weight is full.model.model.embed_tokens.weight  # one trained copy, tied
+    assert not torch.equal(full.model.lm_head.weight, base.lm_head.weight)
     # PEFT loads the adapter on the transformers model of the same base: the same logits
     hf = AutoModelForCausalLM.from_pretrained(str(run / "base"), dtype=torch.float32)
     peft = PeftModel.from_pretrained(hf, str(ckpt / "adapter")).eval()
@@ -125,6 +128,7 @@ def test_training_resumes_bit_identical_keeps_the_base_saves_peft_adapters_and_e
     # `rlengine export --merge`: a HF checkpoint with the adapter folded in, the same logits in transformers
     assert main(["export", "--merge", str(run), str(tmp_path / "merged")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    assert merged.config.tie_word_embeddings  # the trained copy is both, as in the base
     with torch.no_grad():
         assert (merged(ids).logits - ours).abs().max() < 1e-4
     # resume from update 1 (the run as a stop after its first checkpoint leaves it, without a second run to

@@ -46,8 +46,8 @@ def parallelize(mode: str, dist: Dist, model, critic, ref):
         return actor, critic_fwd
     # fsdp: the policy, the reference and the critic trunk are sharded per decoder layer
     one = torch.zeros(1, dtype=torch.long, device=model.device)
-    for m in (model, ref):
-        if m is not None:
+    for m in (model, ref):  # LoRA's reference (a BaseView: the policy, adapters off) has no weights of its own
+        if m is not None and next(m.parameters(), None) is not None:
             fsdp_shard(m, list(m.model.layers), lambda mod: mod(one[None]))
     if critic is not None:
         fsdp_shard(critic, list(critic.trunk.layers), lambda mod: mod(one, [0, 1]))

@@ -9,8 +9,9 @@ RUN_DIR/checkpoints/<update>/adapter/ holds adapter_config.json and adapter_mode
 base), and base.json records the base's path (or preset name) and a sha256 of its weight files (for
 a preset, of its frozen weights' bytes). The rest of the checkpoint (fp32 masters of the adapters,
 optimizer, RNG, counters) is checkpoint.py's as for full fine-tuning; checkpoint.py calls these
-three functions where it would save or load the full model. Loading checks the base hash first: an
-adapter trained on other base weights is a CheckpointError naming both.
+functions where it would save or load the full model, and sharded.py (FSDP) writes adapter_export's
+copies, taken by rank 0 from the unsharded adapters, where it would write the HF export. Loading checks
+the base hash first: an adapter trained on other base weights is a CheckpointError naming both.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import torch
 from rlengine.model.config import ConfigError
 from rlengine.model.hub import resolve_model
 from rlengine.model.loader import CheckpointError, load_pretrained, save_pretrained
-from rlengine.model.lora_peft import attach_lora, job_lora_spec, load_adapter, save_adapter
+from rlengine.model.lora import lora_spec
+from rlengine.model.lora_peft import (adapter_config, attach_lora, job_lora_spec, load_adapter, peft_tensors,
+                                      write_adapter)
+from rlengine.rl.distributed import full_tensor
 
 ADAPTER_DIR = "adapter"
 BASE_RECORD = "base.json"
@@ -37,9 +41,9 @@ def attach_run_lora(model, cfg, run_dir: Path, *, warm_started: bool, resumed: b
     (the resumed model was built from model.name, not warm-started)."""
     if job_lora_spec(cfg.model) is None:
         return
-    if cfg.train.parallel == "fsdp" or cfg.run.async_checkpoint:  # both save through sharded.py (full weights)
-        raise ConfigError("model.lora_r: LoRA runs with train.parallel = none | ddp and run.async_checkpoint = false "
-                          "(FSDP and asynchronous checkpoints of adapters are not supported yet)")
+    if cfg.run.async_checkpoint:
+        raise ConfigError("model.lora_r: LoRA runs with run.async_checkpoint = false "
+                          "(asynchronous checkpoints of adapters are not supported yet)")
     base = resolve_model(cfg.model.name, revision=cfg.model.revision or None, what="model.name")
     if warm_started:
         base = Path(run_dir) / BASE_DIR
@@ -59,7 +63,8 @@ def is_adapter_checkpoint(path: Path) -> bool:
 
 def base_hash(model) -> str:
     """sha256 of the base: its *.safetensors files (sorted by name) for a checkpoint directory, else the
-    bytes of its frozen weights in parameters() order. Computed once per model (the base is frozen)."""
+    bytes of its frozen weights in parameters() order (FSDP-sharded ones all-gathered: then every rank
+    calls it). Computed once per model (the base is frozen)."""
     cached = getattr(model, "lora_base_hash", None)
     if cached:
         return cached
@@ -76,17 +81,29 @@ def base_hash(model) -> str:
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 h.update(name.replace(".original_module.", ".").encode())  # a SavedHead's base: lm_head.weight
-                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(full_tensor(p.detach()).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     model.lora_base_hash = "sha256:" + h.hexdigest()
     return model.lora_base_hash
 
 
+def adapter_export(model) -> tuple[dict, dict, dict]:
+    """What a checkpoint's adapter/ and base.json hold, as host copies: (PEFT tensors, adapter_config.json,
+    base record). Taken from full parameters: under FSDP, by rank 0 inside the unshard (sharded.py)."""
+    base = str(getattr(model, "lora_base", ""))
+    return (peft_tensors(model), adapter_config(lora_spec(model), base),
+            {"base_model": base, "base_hash": base_hash(model)})
+
+
+def write_adapter_export(export: tuple[dict, dict, dict], out: Path) -> None:
+    """Write out/adapter/ (PEFT format) and out/base.json from adapter_export's host copies."""
+    tensors, config, record = export
+    write_adapter(Path(out) / ADAPTER_DIR, tensors, config)
+    (Path(out) / BASE_RECORD).write_text(json.dumps(record, indent=2))
+
+
 def save_adapter_checkpoint(model, out: Path) -> None:
     """Write out/adapter/ (PEFT format) and out/base.json."""
-    base = str(getattr(model, "lora_base", ""))
-    save_adapter(model, Path(out) / ADAPTER_DIR, base_model=base)
-    record = {"base_model": base, "base_hash": base_hash(model)}
-    (Path(out) / BASE_RECORD).write_text(json.dumps(record, indent=2))
+    write_adapter_export(adapter_export(model), out)
 
 
 def check_adapter_base(path: Path, model) -> None:

@@ -1,8 +1,9 @@
 """Sharded and asynchronous run checkpoints: every rank writes its own shard with torch.distributed.checkpoint.
 
 Layout: RUN_DIR/checkpoints/update-000040/{model/ (HF-format weights, written by rank 0 alone from
-the unsharded model), shards/ (DCP's safetensors shards, one file per rank; keys master.{i},
-critic_master.{i}, ref.<name>, critic.<name>, optim.actor.{i}.{k}, optim.critic.{i}.{k}),
+the unsharded model; with LoRA adapter/ + base.json instead, adapter_ckpt.py), shards/ (DCP's
+safetensors shards, one file per rank; keys master.{i}, critic_master.{i}, ref.<name>, critic.<name>,
+optim.actor.{i}.{k}, optim.critic.{i}.{k}),
 optim.json, state.json}. checkpoint.py saves this layout when the learner is FSDP-sharded (no rank
 gathers the masters or moments: each writes the shard it holds; only the model export is gathered,
 by the unshard the rollouts do anyway, and copied to rank 0's host) or when run.async_checkpoint is
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 
 from rlengine.model.loader import CheckpointError, hf_export, write_hf_export
+from rlengine.model.lora import lora_spec
+from rlengine.rl.trainer.adapter_ckpt import adapter_export, write_adapter_export
 from rlengine.rl.trainer.ckpt_files import (begin_checkpoint, failure_text, publish, settle_save, trainable,
                                            unique_state)
 
@@ -150,13 +153,17 @@ def save_sharded(run_dir: Path, update: int, *, model, learner, state: dict, dis
     if failed is not None:
         return PendingSave(None, None, error=began or CheckpointError(failed), **where)
     tmp = ckpt_root / f".tmp-{name}"
+    lora = lora_spec(model) is not None  # LoRA: the adapter in PEFT's format + base.json, not the frozen base
     with dist.unsharded(model):  # the HF export: full weights (a device all-gather), on rank 0's host only
-        export = hf_export(model) if dist.is_main else None
+        export = (adapter_export(model) if lora else hf_export(model)) if dist.is_main else None
     tensors, metas = learner_state(learner)
     writer = HuggingFaceStorageWriter(str(tmp / SHARDS), save_distributed=True)
 
     def finish() -> Path:  # rank 0, once every rank's shards are written
-        write_hf_export(*export, tmp / "model")
+        if lora:
+            write_adapter_export(export, tmp)
+        else:
+            write_hf_export(*export, tmp / "model")
         on_stage("partial")
         (tmp / "optim.json").write_text(json.dumps(metas))
         (tmp / "state.json").write_text(json.dumps(state))
