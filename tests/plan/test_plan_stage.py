@@ -106,9 +106,22 @@ def test_a_run_directory_from_before_the_plan_stage_resumes_to_the_same_updates(
         history = Trainer(cfg, resume=True).run()
     finally:
         torch.set_num_threads(threads)
-    want = json.loads((FIXTURES / "run_v0_updates_3_4.json").read_text())
+    want = [without_timings(r) for r in json.loads((FIXTURES / "run_v0_updates_3_4.json").read_text())]
     got = [without_timings(r) for r in history if r["update"] > 2]
-    assert got == [without_timings(r) for r in want]
+    # Every token, reward and count is the old code's, exactly. The floats computed from log-probs are the
+    # old code's up to fp32 rounding: the C++ CPU kernels (norms, attention) may change their reduction
+    # order, which moves a log-prob by ~1e-7; a resume that lost state (weights, Adam moments, RNG) changes
+    # update 4's samples and rewards, which stay exact.
+    assert [{k: v for k, v in r.items() if k not in LOGPROB_FLOATS} for r in got] == \
+           [{k: v for k, v in r.items() if k not in LOGPROB_FLOATS} for r in want]
+    for g, w in zip(got, want):
+        for k in LOGPROB_FLOATS & w.keys():
+            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-6), (g["update"], k)
+
+
+# metrics computed from the engine's and the learner's log-probs (fp32 rounding of the kernels)
+LOGPROB_FLOATS = {"loss", "actor/pg_loss", "actor_grad_norm", "actor/grad_norm", "logprob_diff", "ratio_mean",
+                  "ratio_max", "kl_ref", "actor/entropy", "actor/ppo_kl", "actor/kl_loss"}
 
 
 def test_a_plan_change_is_the_same_as_its_overrides_and_the_lr_rule_has_one_definition():
