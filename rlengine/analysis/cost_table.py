@@ -6,6 +6,11 @@ A table holds four measured (or modelled) cost curves, each a grid of points in 
     prefill    tokens -> one prefill step
     learner    tokens -> one learner forward + backward (log-probs, entropy) over that many packed tokens
     optimizer  one optimizer step over the model's parameters
+and the job's host work outside every recorded step (the collector, rewards, building the batch, the
+learner's bookkeeping), per update and per retained response, for the generation and training phases:
+    host_update_s, host_response_s   (gen seconds, train seconds)
+A table without them (older files, modelled tables, `rlengine bench costs`) loads with 0: that work is
+then left out of a clocked T, and the clock's notes say so.
 with its provenance (device, clocks, commit, versions, how it was made). A modelled table (Eq. 5
 plus a launch floor, made before any run on that device) says so in `kind`, and every figure made
 from it must say so too. JSON on disk (never pickle): CostTable.save / CostTable.load, which checks
@@ -38,6 +43,8 @@ class CostTable:
     prefill: tuple[tuple[int, float], ...]       # (prompt tokens in the step, seconds)
     learner: tuple[tuple[int, float], ...]       # (packed tokens, seconds of forward + backward)
     optimizer_s: float                           # seconds of one optimizer step
+    host_update_s: tuple[float, float] = (0.0, 0.0)    # (gen, train) seconds per update outside every step
+    host_response_s: tuple[float, float] = (0.0, 0.0)  # (gen, train) seconds per retained response, likewise
     provenance: dict = field(default_factory=dict)  # device, clocks, commit, versions, threads, method
 
     def __post_init__(self):
@@ -54,11 +61,23 @@ class CostTable:
                 raise bad(f"{name} needs (tokens >= 1, seconds > 0) points")
         if not self.optimizer_s >= 0:
             raise bad(f"optimizer_s must be >= 0, got {self.optimizer_s}")
+        for name in ("host_update_s", "host_response_s"):
+            pair = getattr(self, name)
+            if len(pair) != 2 or not all(x >= 0 for x in pair):
+                raise bad(f"{name} must be (gen seconds >= 0, train seconds >= 0), got {pair}")
+
+    @property
+    def has_host_terms(self) -> bool:
+        """Whether the table prices the host work outside the recorded steps (else it counts 0)."""
+        return any(self.host_update_s) or any(self.host_response_s)
 
     def to_dict(self) -> dict:
+        """The JSON layout; the host terms only when the table has them (without, the file is the older layout)."""
+        host = ({"host_update_s": list(self.host_update_s), "host_response_s": list(self.host_response_s)}
+                if self.has_host_terms else {})
         return {"format": FORMAT, "model": self.model, "dtype": self.dtype, "kind": self.kind,
                 "decode": [list(p) for p in self.decode], "prefill": [list(p) for p in self.prefill],
-                "learner": [list(p) for p in self.learner], "optimizer_s": self.optimizer_s,
+                "learner": [list(p) for p in self.learner], "optimizer_s": self.optimizer_s, **host,
                 "provenance": self.provenance}
 
     @staticmethod
@@ -71,7 +90,10 @@ class CostTable:
                              decode=tuple((int(b), int(c), float(s)) for b, c, s in d["decode"]),
                              prefill=tuple((int(t), float(s)) for t, s in d["prefill"]),
                              learner=tuple((int(t), float(s)) for t, s in d["learner"]),
-                             optimizer_s=float(d["optimizer_s"]), provenance=dict(d.get("provenance") or {}))
+                             optimizer_s=float(d["optimizer_s"]),
+                             host_update_s=_pair(d.get("host_update_s")),
+                             host_response_s=_pair(d.get("host_response_s")),
+                             provenance=dict(d.get("provenance") or {}))
         except KeyError as exc:
             raise ValueError(f"cost table: missing field {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
@@ -127,6 +149,14 @@ class CostTable:
         if isinstance(grid, str):
             raise ValueError(f"cost table ({self.model}, {self.dtype}): {grid}")
         return grid
+
+
+def _pair(value) -> tuple[float, float]:
+    """A (gen, train) host term as stored; a table written before the host terms has none: (0, 0)."""
+    if value is None:
+        return (0.0, 0.0)
+    gen, train = value
+    return (float(gen), float(train))
 
 
 @functools.lru_cache(maxsize=16)

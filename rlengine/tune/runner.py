@@ -79,6 +79,10 @@ def plan_config(job: dict, plan: RunPlan, run_dir: Path, *, warmstart_cache: str
     (and run.warmstart_cache: the tune's runs share each seed's warm start, the same bits)."""
     d = plan.change.apply_to_dict(copy.deepcopy(job))
     d["run"].update(out_dir=str(run_dir), seed=plan.seed, progress=False, checkpoint_every=0)
+    train = d["train"]
+    if train.get("warmup_updates", 0) >= train["updates"]:
+        # a run shorter than the job's LR warm-up (a stage-2 probe): the warm-up ends on its last update
+        train["warmup_updates"] = train["updates"] - 1
     if warmstart_cache:
         d["run"]["warmstart_cache"] = warmstart_cache
     return TrainConfig.from_dict(d)

@@ -3,6 +3,7 @@ engine and the trainer keep for it (StepRecord.context, RUN_DIR/trace.jsonl); th
 sequential confirmation's coverage (stats.log_confidence_sequence against a t-interval recomputed after
 every pair)."""
 
+import dataclasses
 import json
 import math
 import random
@@ -14,7 +15,7 @@ from rlengine.analysis.cost_table import CostTable
 from rlengine.analysis.modelled_costs import modelled_cost_table
 from rlengine.rl.trainer.trace_file import TraceFile, aggregate_steps, read_trace, update_trace
 from rlengine.telemetry.records import StepRecord
-from rlengine.tune.clock import FORWARD_SHARE, DeviceClock
+from rlengine.tune.clock import FORWARD_SHARE, DeviceClock, host_terms
 from rlengine.tune.stats import log_confidence_sequence, log_interval, sequential_verdict
 
 # decode: 1 ms + 0.1 ms per sequence + 0.01 ms per context token (a plane: bilinear interpolation is exact)
@@ -56,6 +57,48 @@ def test_clock_recosts_a_synthetic_trace_to_the_hand_computed_sums():
     assert clock.label == "measured H200 table t.json"
     with pytest.raises(ValueError, match="no line in trace.jsonl"):
         clock.recost(records + [{"update": 2, "N": 64, "t_gen": 1, "t_train": 1, "q": 16}], [_line()])
+
+
+def test_host_terms_add_per_update_and_per_response_work_and_old_tables_count_it_zero():
+    host = dataclasses.replace(TABLE, host_update_s=(0.02, 0.005), host_response_s=(1e-3, 2e-4))
+    bare_gen, bare_train = DeviceClock(table=TABLE, path="t.json").update_times(_line())
+    t_gen, t_train = DeviceClock(table=host, path="h.json").update_times(_line(), responses=32)
+    assert t_gen == pytest.approx(bare_gen + 0.02 + 32 * 1e-3, rel=1e-12)
+    assert t_train == pytest.approx(bare_train + 0.005 + 32 * 2e-4, rel=1e-12)
+    # recost prices each update's retained responses (N - the previous record's N): 32, then 16
+    records = [{"update": 0, "N": 0}, {"update": 1, "N": 32, "t_gen": 1.0, "t_train": 0.3, "q": 32 / 1.3},
+               {"update": 2, "N": 48, "t_gen": 1.0, "t_train": 0.3, "q": 16 / 1.3}]
+    clock = DeviceClock(table=host, path="h.json")
+    out = clock.recost(records, [_line(1), _line(2)])
+    assert out[1]["t_gen"] == pytest.approx(bare_gen + 0.02 + 32e-3)
+    assert out[2]["t_gen"] == pytest.approx(bare_gen + 0.02 + 16e-3)
+    assert out[2]["t_train"] == pytest.approx(bare_train + 0.005 + 16 * 2e-4)
+    assert "gen 0.02 s per update + 0.001 s per response" in " ".join(clock.notes())
+    # the format: a table written before the host terms loads with 0 and says so; new ones round-trip
+    old = TABLE.to_dict()
+    assert "host_update_s" not in old   # a table without host terms is written in the older layout
+    assert CostTable.from_dict(old).host_update_s == (0.0, 0.0) and not CostTable.from_dict(old).has_host_terms
+    assert "no host-work terms" in " ".join(DeviceClock(table=CostTable.from_dict(old), path="o.json").notes())
+    assert CostTable.from_dict(json.loads(json.dumps(host.to_dict()))) == host
+    with pytest.raises(ValueError, match="host_response_s"):
+        dataclasses.replace(TABLE, host_response_s=(-1e-3, 0.0))
+
+
+def test_host_terms_are_measured_as_the_runs_time_minus_their_steps_on_the_table():
+    bare_gen, bare_train = DeviceClock(table=TABLE, path="t.json").update_times(_line())
+    runs = []
+    for b, gen_host, train_host in ((16, 0.01 + 16 * 2e-3, 0.004), (32, 0.01 + 32 * 2e-3, 0.004)):
+        t_gen, t_train = bare_gen + gen_host, bare_train + train_host   # measured = steps on the table + host work
+        runs.append(([{"update": 0, "N": 0}] + [{"update": u, "N": b * u, "t_gen": t_gen, "t_train": t_train,
+                                                 "q": b / (t_gen + t_train)} for u in (1, 2)], [_line(1), _line(2)]))
+    per_update, per_response = host_terms(TABLE, runs)
+    assert per_update == pytest.approx((0.01, 0.004), abs=1e-12)      # gen: a + b x responses; train: flat
+    assert per_response == pytest.approx((2e-3, 0.0), abs=1e-12)
+    # host work falling with responses (noise) is not a negative price: per update alone, the mean
+    runs[1] = ([{"update": 0, "N": 0}, {"update": 1, "N": 32, "t_gen": bare_gen + 0.01, "t_train": bare_train,
+                                        "q": 32 / (bare_gen + bare_train + 0.01)}], [_line(1)])
+    per_update, per_response = host_terms(TABLE, runs[:2])
+    assert per_response[0] == 0.0 and per_update[0] == pytest.approx((2 * (0.01 + 0.032) + 0.01) / 3)
 
 
 def test_steps_outside_the_table_are_clamped_counted_and_reported_or_refused():
@@ -125,6 +168,8 @@ def _simulate(interval, effect: float, sd: float = 0.84, reps: int = 2000, cap: 
 
 
 def test_the_sequential_confirmation_keeps_its_coverage_and_a_recomputed_t_interval_does_not():
-    effect = math.log(0.84)   # the 12-seed grpo_long confirmation's estimate, with its per-seed sd of 0.84
+    # a fixed effect of 0.84 and a per-pair log-ratio sd of 0.84: the earlier grpo_long's 12-seed confirmation (before
+    # its 450-update warm-start version). They set the simulated scenario, not a claim about today's job
+    effect = math.log(0.84)
     assert _simulate(log_confidence_sequence, effect) >= 0.93
     assert _simulate(log_interval, effect) < 0.90

@@ -315,3 +315,17 @@ def test_workers_run_plans_side_by_side_as_in_process(tmp_path):
     assert parse_workers("3", job, 1) == 3 and parse_workers("auto", job, 64) == 1
     with pytest.raises(ConfigError, match="--workers 0"):
         parse_workers("0", job, 1)
+
+
+def test_a_run_shorter_than_the_jobs_lr_warm_up_ends_its_warm_up_on_its_last_update():
+    from rlengine.plan.specs import PlanChange
+    from rlengine.tune.stage_records import RunPlan
+
+    job = load_job_config("grpo_long", []).to_dict()   # warmup_updates 20
+    assert job["train"]["warmup_updates"] == 20
+
+    def warmup(updates):
+        plan = RunPlan(name="p", stage="probe", label="32", seed=0, target_j=None, change=PlanChange(updates=updates))
+        return plan_config(job, plan, "x").train.warmup_updates
+
+    assert (warmup(12), warmup(21), warmup(450)) == (11, 20, 20)   # a 12-update probe is a valid config

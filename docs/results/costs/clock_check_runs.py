@@ -6,8 +6,9 @@ Runs `rlengine train --config grpo_long --train.updates UPDATES` (default 30) at
 (gen.max_lag = B_gen / B_train + 1, the lag B_gen implies) through the tuner's runner: one torch thread,
 one run at a time, t_gen / t_train on the process-CPU clock (as `rlengine tune` times a CPU job).
 Evaluation only at N = 0 and at the end (it is not part of T). Each run leaves RUN_DIR/trace.jsonl.
-Part 2 (clock_check_table.py) measures this CPU's cost table; `rlengine report --clock TABLE OUT/runs
---target-j 0` then re-costs each run's T.
+Part 2 (clock_check_table.py) measures this CPU's cost table (steps and host terms); part 3
+(clock_check_errors.py TABLE OUT.json SET=OUT/runs ...) re-costs each run's T on it and gives the errors
+(`rlengine report --clock TABLE OUT/runs --target-j J` does the same through the report).
 """
 
 import sys
