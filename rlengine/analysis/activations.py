@@ -36,10 +36,12 @@ saved tensors exist at a time, recomputed in the backward.
 On top of `saved`, the backward's transient peak (`transient`), the larger of:
 - the LM head's backward: grad_h (s C per token) and, chunked torch head (the CPU learner,
   learner/chunked_head.py): raw mode, when T fits one chunk, grad_W in the model's dtype (V C s)
-  and 3 fp32 [T, V] blocks (the log-softmax kept from the forward, its exp, the 16-bit copy of the
-  logits' gradient); over several chunks, or in processed mode, one chunk's fp32 grad_W, their
-  fp32 sum, for a 16-bit model the fp32 head copy and the rounded grad_W (1 to 3 x V C f), and one
-  [T_c, V] chunk's blocks (raw: 3, the recomputed log-softmax in place of the kept one; processed: 8,
+  and 3.5 fp32 [T, V] blocks (the exp of the log-softmax block the forward saved, f V per token in
+  `saved`; the logits' gradient and its 16-bit copy; and the forward's two blocks on top of what
+  it leaves alive besides its saved tensors: measured up to 3.4 at V = 512 in an MoE model); over
+  several chunks, or in processed mode, one chunk's fp32 grad_W, their fp32 sum, for a 16-bit
+  model the fp32 head copy and the rounded grad_W (1 to 3 x V C f), and one
+  [T_c, V] chunk's blocks (raw: 3.5, the recomputed log-softmax in place of the saved one; processed: 8,
   the logits with their autograd graph, the sort's values and int64 ids; measured alone 6.3);
   fused Triton head (CUDA, kernels/fused_logprob.py): grad_W (V C s), an fp32 vocab chunk of it (<= V C f), grad_h in
   fp32 (f C per token) and one d(logits) chunk; the batch-invariant head (model/batch_invariant.py),
@@ -69,7 +71,7 @@ from rlengine.model.config import ModelConfig
 BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 HEAD_CHUNK_ELEMS = 2**23  # [T_c, V] fp32 elements of one chunk of the chunked torch head (32 MiB)
 _F32, _ID = 4, 8           # fp32 and int64 bytes
-_CHUNK_BLOCKS = {"raw": 3, "processed": 8}  # [T_c, V] fp32-sized blocks alive in one chunk's backward
+_CHUNK_BLOCKS = {"raw": 3.5, "processed": 8}  # [T_c, V] fp32-sized blocks alive in one chunk's backward
 _MATERIALIZED_BLOCKS = 3  # [T, V] fp32 blocks the batch-invariant head keeps: logits, log-softmax, exp
 HEADS = ("chunked", "fused", "materialized")
 MOE_PATHS = ("torch", "fused_v1", "fused_sorted")  # the learner's experts: model/moe.py, kernels/fused_moe.py
@@ -149,7 +151,7 @@ def head_transient(cfg: ModelConfig, tokens: int, s: int, *, head: str, mode: st
         halves = 2 * s // _F32
     else:
         halves = (2 if s >= _F32 else 5) + (2 if tokens > rows else 0)
-    return grad_h + halves * V * C * _F32 // 2 + _CHUNK_BLOCKS[mode] * rows * V * _F32
+    return grad_h + halves * V * C * _F32 // 2 + int(_CHUNK_BLOCKS[mode] * rows * V * _F32)
 
 
 def activation_parts(cfg: ModelConfig, tokens: int, dtype: str, *, padded_tokens: int | None = None,
@@ -172,6 +174,8 @@ def activation_parts(cfg: ModelConfig, tokens: int, dtype: str, *, padded_tokens
     padded = tokens if padded_tokens is None else max(tokens, padded_tokens)
     layers = [layer_saved(cfg, i, s, tokens, padded, moe) for i in range(L)]
     once = tokens * (4 * _ID + 2 * s * D + _norm(C, s))
+    if head == "chunked" and mode == "raw" and tokens <= head_chunk_tokens(cfg.vocab_size, chunk_elems):
+        once += tokens * cfg.vocab_size * _F32  # the one chunk's log-softmax block, saved for the backward
     if head == "fused":  # log-sum-exp and entropy
         once += 2 * _F32 * tokens
     elif head == "materialized":

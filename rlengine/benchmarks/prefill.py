@@ -9,7 +9,9 @@ the same weights, dtype and threads, as each side prefills them:
     generate() runs for a prompt).
 No KV-cache write on either side (the engine's store is a copy of K/V, not timed here). One warm-up call
 each (it also makes rlengine's kernel choices for the shape), then --rounds alternating rounds, median;
-ratio = transformers ms / rlengine ms (> 1: rlengine faster). --layers N cuts the model to its first N
+ratio = transformers ms / rlengine ms (> 1: rlengine faster); ratio_cpu the same on the calling thread's CPU
+clock (time.thread_time: with --threads 1 every op runs on it; it leaves out the time the thread waits for a
+core, so it is the figure to read on a loaded machine). --layers N cuts the model to its first N
 decoder layers (the qwen3-0.6b shape at full depth takes tens of seconds per 2048-token call on one core).
     rlengine bench prefill --model qwen3-30m --lengths 64,256,512,2048 --batches 1,4 --threads 1
 """
@@ -30,7 +32,7 @@ from rlengine.benchmarks.harness import report
 from rlengine.model.config import ConfigError, preset
 from rlengine.telemetry.provenance import cpu_model
 
-COLUMNS = ["model", "layers", "dtype", "seq_len", "batch", "threads", "rlengine_ms", "hf_ms", "ratio"]
+COLUMNS = ["model", "layers", "dtype", "seq_len", "batch", "threads", "rlengine_ms", "hf_ms", "ratio", "ratio_cpu"]
 
 
 def load_pair(name: str, dtype: torch.dtype, layers: int, workdir: str):
@@ -70,16 +72,19 @@ def prefill_calls(ours, hf, B: int, S: int, seed: int = 0):
     return ours_call, hf_call
 
 
-def alternate(calls: dict, rounds: int) -> dict[str, list[float]]:
-    """One warm-up call each, then `rounds` rounds calling each in turn: seconds per call."""
+def alternate(calls: dict, rounds: int, cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """One warm-up call each, then `rounds` rounds calling each in turn: wall seconds per call (and the
+    calling thread's CPU seconds appended to `cpu`, if given)."""
     for fn in calls.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, fn in calls.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.setdefault(name, []).append(time.thread_time() - c0)
     return times
 
 
@@ -119,15 +124,20 @@ def main(argv=None) -> int:
         for S in lengths:
             for B in batches:
                 ours_call, hf_call = prefill_calls(ours, hf, B, S)
-                t = alternate({"rlengine": ours_call, "hf": hf_call}, args.rounds)
+                cpu: dict[str, list[float]] = {}
+                t = alternate({"rlengine": ours_call, "hf": hf_call}, args.rounds, cpu)
                 ms = {k: 1e3 * statistics.median(v) for k, v in t.items()}
+                cpu_ms = {k: 1e3 * statistics.median(v) for k, v in cpu.items()}
                 rows.append({"model": args.model, "layers": ours.config.num_hidden_layers,
                              "dtype": str(dtype).removeprefix("torch."), "seq_len": S, "batch": B,
                              "threads": torch.get_num_threads(), "rlengine_ms": round(ms["rlengine"], 2),
                              "hf_ms": round(ms["hf"], 2), "ratio": round(ms["hf"] / ms["rlengine"], 3),
+                             "ratio_cpu": round(cpu_ms["hf"] / cpu_ms["rlengine"], 3),
+                             "cpu_ms": {k: round(v, 2) for k, v in cpu_ms.items()},
                              "rounds_ms": {k: [round(1e3 * x, 2) for x in v] for k, v in t.items()}})
                 print(f"{rows[-1]['dtype']} S={S} B={B}: rlengine {ms['rlengine']:.1f} ms, transformers "
-                      f"{ms['hf']:.1f} ms, ratio {rows[-1]['ratio']:.2f}x", flush=True)
+                      f"{ms['hf']:.1f} ms, ratio {rows[-1]['ratio']:.2f}x (thread CPU time "
+                      f"{rows[-1]['ratio_cpu']:.2f}x)", flush=True)
                 _write(args, rows, final=False)  # a long sweep stopped early still leaves its rows
     _write(args, rows, final=True)
     return 0
@@ -140,7 +150,7 @@ def _write(args, rows: list[dict], *, final: bool) -> None:
     extra = {"model": args.model, "cpu_model": cpu_model(), "threads": torch.get_num_threads(), "rounds": args.rounds,
              "kernel_choices": KERNELS.summary(), "complete": final,
              "method": "one warm-up each, alternating rounds (rlengine, transformers), median; "
-                       "ratio = hf_ms / rlengine_ms"}
+                       "ratio = hf_ms / rlengine_ms (wall clock), ratio_cpu = the same on the thread's CPU clock"}
     if final:
         report(args.name, rows, out=args.out, columns=COLUMNS, device="cpu", extra=extra)
     else:

@@ -55,7 +55,8 @@ class PackedCausal:
     Two layouts, the same result:
     - padded: right-pad the sequences into one [B, S_max] batch and run a single causal SDPA.
       With the padding at the end, causality alone keeps every real query off the padding keys,
-      so no mask is needed; padded query rows are dropped on the way back.
+      so no mask is needed; padded query rows are dropped on the way back. Sequences of one
+      length need no padding: the packed rows are viewed as [B, S] (no copies either way).
     - loop: one SDPA call per sequence.
     Padded is used when gradients flow (the learner) or on a GPU (one flash kernel instead of
     B launches), as long as padding at most doubles the work (B * S_max <= 2T). On the CPU,
@@ -110,8 +111,10 @@ class PackedCausal:
         return self._padded(q_THD, k_TKD, v_TKD)
 
     def _padded(self, q_THD, k_TKD, v_TKD):
-        """One right-padded SDPA call over all sequences."""
+        """One right-padded SDPA call over all sequences (equal lengths: views, no padding copies)."""
         B, S = len(self.bounds), self.max_len
+        if B * S == q_THD.shape[0]:  # every sequence S long: the packed rows are already [B, S]
+            return DenseCausal(B, S, self.scale).attend(0, q_THD, k_TKD, v_TKD)
         flat = self._flat_index(q_THD.device)
 
         def pad(x_TND):  # [T, heads, D] -> [B, heads, S, D], zeros in the padding

@@ -25,6 +25,7 @@ def test_learner_bench_rows_and_matching_losses(tmp_path, capsys):
     assert set(learner.COLUMNS) <= set(row) and row["micro_batch"] == 2 and row["seq_len"] == 12
     assert row["rlengine_ms"] > 0 and row["hf_ms"] > 0 and len(row["rounds_ms"]["hf"]) == 1
     assert row["plain_head_ms"] > 0 and len(row["rounds_ms"]["plain_head"]) == 1
+    assert row["ratio_cpu"] > 0 and row["cpu_ms"]["rlengine"] > 0 and row["plain_head_ratio_cpu"] > 0
     # fp32 on both sides: the losses agree to fp32 rounding of a [T, V] log-softmax and a mean
     assert row["loss_diff"] < 1e-5
     assert data["threads"] == 1 and "cpu_model" in data
@@ -55,7 +56,7 @@ def test_prefill_bench_rows_and_same_logits(tmp_path):
                          "--rounds", "1", "--threads", "1", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "prefill.json").read_text())
     assert [(r["seq_len"], r["batch"]) for r in data["rows"]] == [(9, 1), (9, 2)]
-    assert all(r["ratio"] > 0 for r in data["rows"]) and data["threads"] == 1
+    assert all(r["ratio"] > 0 and r["ratio_cpu"] > 0 for r in data["rows"]) and data["threads"] == 1
     ours, hf = prefill.load_pair("tiny", torch.float32, 0, str(tmp_path))
     ours_call, hf_call = prefill.prefill_calls(ours, hf, 2, 9)
     torch.testing.assert_close(ours_call(), hf_call()[:, -1].float(), atol=1e-4, rtol=1e-4)

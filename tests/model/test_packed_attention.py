@@ -21,7 +21,9 @@ def _reference(q, k, v, cu, scale):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("lens,can_pad", [([5, 9, 1, 7, 8], True), ([40, 1, 2, 1], False), ([1, 1, 1], True)])
+# ragged (padded), too ragged to pad (loop), equal lengths (viewed as [B, S], no padding copies)
+@pytest.mark.parametrize("lens,can_pad", [([5, 9, 1, 7, 8], True), ([40, 1, 2, 1], False), ([1, 1, 1], True),
+                                          ([6, 6, 6], True)])
 @pytest.mark.parametrize("grad", [True, False])
 def test_packed_causal_matches_per_sequence_sdpa(lens, can_pad, grad):
     gen = torch.Generator().manual_seed(sum(lens))

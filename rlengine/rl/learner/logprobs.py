@@ -2,7 +2,7 @@
 
 The engine samples with the same definition (rlengine/engine/sampler.py), so the learner's
 recomputation agrees with the behaviour log-probs to rounding: "raw" through the fused Triton kernel
-(CUDA) or the torch reference chunked over tokens (learner/chunked_head.py: the CPU), "processed"
+(CUDA) or the torch head chunked over tokens (learner/chunked_head.py: the CPU), "processed"
 (top-k / top-p filtered) through the engine's own sequence_logprobs, chunked the same way. Neither
 keeps a [T, V] tensor for the backward. Both go through the module's forward(), so DDP / FSDP hooks
 run, and take checkpoint_layers for the differentiable passes.
@@ -18,7 +18,7 @@ import torch
 from rlengine.model import batch_invariant as inv
 from rlengine.model.qwen3 import logits_fp32
 from rlengine.rl.learner.batching import TrainBatch
-from rlengine.rl.learner.chunked_head import chunked_head
+from rlengine.rl.learner.chunked_head import chunked_head, raw_chunked_head
 
 
 def is_batch_invariant(module) -> bool:
@@ -59,7 +59,7 @@ def token_logprobs(module, mb: TrainBatch, temperature: float, fused: bool, chec
             return fused_logprob(hidden_TC, w_VC, mb.targets, temperature=temperature, return_entropy=True)
     else:
         def head(hidden_TC, w_VC):
-            return chunked_head(hidden_TC, w_VC, mb.targets, raw_head(temperature))
+            return raw_chunked_head(hidden_TC, w_VC, mb.targets, temperature)
     return module(mb.input_ids, cu_seqlens=mb.cu_seqlens, head=head, checkpoint_layers=checkpoint_layers)
 
 
