@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 CPP_OPS = ("rms_norm", "store_kvcache", "paged_decode", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul",
-           "skinny_linear", "skinny_logits", "nucleus_filter")
+           "skinny_linear", "skinny_logits", "nucleus_filter", "lora_expand")
 CUDA_OPS = ("store_kvcache",)
 
 

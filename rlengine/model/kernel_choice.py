@@ -2,7 +2,8 @@
 
 The CPU decode path has more than one implementation of its projections: torch's linear (oneDNN /
 MKL), the C++ skinny linear (csrc/skinny_linear.cpp, a weight-streaming GEMV for <= 8 rows), and,
-for bf16 weights, an fp32 GEMM over V-chunks of the upcast weight ("upcast"). Which is fastest
+for bf16 weights, an fp32 GEMM over V-chunks of the upcast weight ("upcast"); LoRA's second GEMM
+(y + s t B^T) runs as the chosen linear plus an add, or as csrc/lora_expand.cpp ("expand"). Which is fastest
 depends on the CPU (AMX, AVX-512 bf16, bandwidth) and the row count; a rule tuned on one machine
 is slow on the next. So each (op, dtype, rows class, weight shape) is timed once, at first use,
 on its real inputs: every candidate alternately, a few rounds, medians compared. A candidate other

@@ -132,9 +132,9 @@ class SwiGLUMLP(nn.Module):
         out = self.down_proj(a)
         return out if self.down_lora is None else self.down_lora(a, out)
 
-    def forward_fused(self, x: torch.Tensor, linear, silu_and_mul) -> torch.Tensor:
-        """The no-grad fast path with the device's kernels (FusedOps.linear / .silu_and_mul)."""
+    def forward_fused(self, x: torch.Tensor, linear, silu_and_mul, lora=None) -> torch.Tensor:
+        """The no-grad fast path with the device's kernels (FusedOps.linear / .silu_and_mul / .lora)."""
         w_gu, w_down = self.gate_up_proj.weight, self.down_proj.weight
-        gu = linear(x, w_gu) if self.gate_up_lora is None else self.gate_up_lora.project(x, w_gu, linear)
+        gu = linear(x, w_gu) if self.gate_up_lora is None else self.gate_up_lora.project(x, w_gu, linear, lora)
         a = silu_and_mul(gu)
-        return linear(a, w_down) if self.down_lora is None else self.down_lora.project(a, w_down, linear)
+        return linear(a, w_down) if self.down_lora is None else self.down_lora.project(a, w_down, linear, lora)

@@ -135,6 +135,7 @@ class LoraAdapter(nn.Module):
         for row0, col0, rows in self.blocks():
             mask[row0:row0 + rows, col0:col0 + spec.r] = 1.0
         self.register_buffer("mask", mask, persistent=False)
+        self.block_list = tuple(v for block in self.blocks() for v in block)  # flat, for FusedOps.lora
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
         self.enabled = True  # adapters_disabled() switches it off (the KL reference: the base model)
         self._joint_key: tuple | None = None  # (W, A addresses) that _joint last checked, and its answer
@@ -164,27 +165,35 @@ class LoraAdapter(nn.Module):
         d = F.linear(F.linear(self.dropout(x_TC), self.lora_A), self.lora_B * self.mask)
         return y_TO + d * self.scale
 
-    def fused(self, x_TC: torch.Tensor, y_TO: torch.Tensor, linear) -> torch.Tensor:
+    def fused(self, x_TC: torch.Tensor, y_TO: torch.Tensor, linear, lora=None) -> torch.Tensor:
         """The engine's no-grad path with the projections' kernel choice `linear(x, w)` (FusedOps.linear):
-        one GEMM for the stacked A, one for the block-diagonal B, whose product is added into y IN PLACE
-        with the scale (y + s * d rounded once; y is the projection's fresh output): no scaled copy of d
-        and no new output, two elementwise passes fewer than y + d * s."""
+        one GEMM for the stacked A, then the block-diagonal B's product added to y with the scale (y + s * d):
+        by `lora.expand` (FusedOps.lora) where given, else one GEMM for B whose product is added into y IN
+        PLACE (y is the projection's fresh output)."""
         if not self.enabled:
             return y_TO
-        return y_TO.add_(linear(linear(x_TC, self.lora_A), self.lora_B), alpha=self.scale)
+        t_TJ = linear(x_TC, self.lora_A)
+        if lora is not None:
+            return lora.expand(y_TO, t_TJ, self.lora_B, self.scale, self.r, self.block_list)
+        return y_TO.add_(linear(t_TJ, self.lora_B), alpha=self.scale)
 
-    def project(self, x_TC: torch.Tensor, w_OC: torch.Tensor, linear) -> torch.Tensor:
+    def project(self, x_TC: torch.Tensor, w_OC: torch.Tensor, linear, lora=None) -> torch.Tensor:
         """The engine's no-grad path for a bias-free projection with its adapter: x W^T + s (x A^T) B^T
         [T, O] in the compute dtype, with `linear(x, w)` (FusedOps.linear, the kernel choice). Where A
         sits right behind W in one allocation (colocate) one GEMM on [W; A] gives x W^T and x A^T
-        together; the B GEMM's output then takes y + s * d in place (one rounding): three ops, against
-        four for fused() and five for y + d * s. Elsewhere (moved or sharded parameters) fused()."""
+        together (lora.joint: under W's kernel choice); then lora.expand (FusedOps.lora) adds s (x A^T) B^T
+        to the first part, or, without it, the B GEMM's output takes y + s * d in place. Elsewhere (moved
+        or sharded parameters) fused()."""
         if not self.enabled:
             return linear(x_TC, w_OC)
         if not self._joint(w_OC):
-            return self.fused(x_TC, linear(x_TC, w_OC), linear)
+            return self.fused(x_TC, linear(x_TC, w_OC), linear, lora)
         O, C = w_OC.shape
-        yx_TJ = linear(x_TC, w_OC.as_strided((O + self.lora_A.shape[0], C), (C, 1)))  # [T, O + n*r]
+        joint_JC = w_OC.as_strided((O + self.lora_A.shape[0], C), (C, 1))  # [W; A]
+        if lora is not None:
+            return lora.expand(lora.joint(x_TC, joint_JC, w_OC), None, self.lora_B, self.scale, self.r,
+                               self.block_list)  # [y | t]
+        yx_TJ = linear(x_TC, joint_JC)  # [T, O + n*r]
         d_TO = linear(yx_TJ[:, O:], self.lora_B)
         return torch.add(yx_TJ[:, :O], d_TO, alpha=self.scale, out=d_TO)
 

@@ -9,7 +9,8 @@ sides share. One table per device, chosen here and nowhere else:
   the blocked linear of the batch-invariant mode (csrc/batch_invariant.cpp, any rows, "blocked")
   and, for bf16, an fp32 GEMM over V-chunks of the upcast weight is fastest on this machine for
   the shape (KERNELS, rlengine/model/kernel_choice.py: timed at first use on weights streamed from
-  memory, as in a decode step, or pinned).
+  memory, as in a decode step, or pinned); LoRA's block-diagonal B product likewise (lora_expand_nograd:
+  the chosen linear + add, or csrc/lora_expand.cpp).
 - GPU: the Triton kernels of kernels/fused_norm.py (capturable in the decode CUDA graphs).
 - Neither built: None, the torch ops.
 Fused kernels replace the elementwise chains of each layer (residual add + RMSNorm, q/k norm +
@@ -33,6 +34,7 @@ from rlengine.model.kernel_choice import KernelChoices, projection_shapes, rows_
 FUSED = all(_ext.has_op(op) for op in ("rms_norm", "fused_add_rms_norm", "qk_norm_rope", "silu_and_mul"))
 SKINNY = _ext.has_op("skinny_linear") and _ext.has_op("skinny_logits")
 BLOCKED = _ext.has_op("inv_linear")
+LORA_EXPAND = _ext.has_op("lora_expand")
 SKINNY_MAX_ROWS = 8  # csrc/skinny_linear.cpp's kMaxRows
 UPCAST_CHUNK_BYTES = 4 << 20  # fp32 weight rows per chunk of the "upcast" GEMM: cache-sized, not [V, C]
 
@@ -133,12 +135,15 @@ def _linear_candidates(x_BK, w_NK) -> dict:
     return cands
 
 
-def linear_nograd(x_TC: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear_nograd(x_TC: torch.Tensor, w: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T on the CPU inference path (no bias, no autograd), by the implementation KERNELS
-    chose for this (dtype, rows, weight shape); elsewhere torch's linear."""
+    chose for this (dtype, rows, weight shape); elsewhere torch's linear. like: decide by that weight's
+    shape class instead (LoRA's [W; A] runs as W does: the same stream plus n*r rows; timed on its own,
+    a choice within the noise of W's could put the two on different kernels)."""
     if x_TC.device.type != "cpu" or x_TC.dim() != 2 or x_TC.shape[0] == 0 or w.dtype != x_TC.dtype:
         return F.linear(x_TC, w)
-    impl = _choose("linear", x_TC, w, lambda: _linear_candidates(x_TC, w))
+    key_w = w if like is None or like.dtype != w.dtype or like.shape[1] != w.shape[1] else like
+    impl = _choose("linear", x_TC, key_w, lambda: _linear_candidates(x_TC, key_w))
     if impl == "skinny":
         return torch.ops.rlengine.skinny_linear(x_TC, w)
     if impl == "upcast":
@@ -146,6 +151,41 @@ def linear_nograd(x_TC: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if impl == "blocked":
         return torch.ops.rlengine.inv_linear(x_TC, w, None, False)
     return F.linear(x_TC, w)
+
+
+def lora_expand_nograd(y_TO: torch.Tensor, t_TJ: torch.Tensor | None, B_OJ: torch.Tensor, scale: float, r: int,
+                       blocks: tuple[int, ...]) -> torch.Tensor:
+    """LoRA's second GEMM on the CPU inference path: y + scale * t B^T [T, O], a new tensor; t None: y is
+    the [T, O + J] output of the GEMM on [W; A], its first O columns y and the rest t. B is block-diagonal
+    (model/lora.py): `blocks` flattens (row0, col0, rows) per targeted slice, each reading r columns of t.
+    By the implementation KERNELS chose for (dtype, rows, B's shape): "torch" (the chosen linear on the
+    dense B, then the add) or "expand" (csrc/lora_expand.cpp: only the blocks, one rounding)."""
+    if not LORA_EXPAND or y_TO.device.type != "cpu" or y_TO.dim() != 2 or y_TO.shape[0] == 0:
+        return _lora_dense(y_TO, t_TJ, B_OJ, scale, linear_nograd)
+    memo_key = ("lora_expand", y_TO.dtype, y_TO.shape[0], B_OJ.shape)
+    impl = KERNELS.memo.get(memo_key)
+    if impl is None:
+        key = shape_key("lora_expand", y_TO.dtype, y_TO.shape[0], tuple(B_OJ.shape))
+        if KERNELS.mode == "pinned" and key not in KERNELS.table:
+            impl = "torch"  # a table saved before this choice existed: the fixed rule it was saved with
+        else:
+            cold = _ColdWeights(B_OJ)
+            cands = {"torch": lambda: _lora_dense(y_TO, t_TJ, cold.next(), scale, linear_nograd),
+                     "expand": lambda: torch.ops.rlengine.lora_expand(y_TO, t_TJ, cold.next(), scale, r, blocks)}
+            impl = KERNELS.choose(key, cands, rule="expand")
+        KERNELS.memo[memo_key] = impl
+    if impl == "expand":
+        return torch.ops.rlengine.lora_expand(y_TO, t_TJ, B_OJ, scale, r, blocks)
+    return _lora_dense(y_TO, t_TJ, B_OJ, scale, linear_nograd)
+
+
+def _lora_dense(y_TO, t_TJ, B_OJ, scale, linear) -> torch.Tensor:
+    """y + scale * t B^T with one GEMM on the dense B (t None: y holds [y | t], as lora_expand_nograd)."""
+    if t_TJ is None:
+        O = B_OJ.shape[0]
+        y_TO, t_TJ = y_TO[:, :O], y_TO[:, O:]
+    d_TO = linear(t_TJ, B_OJ)
+    return torch.add(y_TO, d_TO, alpha=scale, out=d_TO)
 
 
 def _logits_candidates(h_BC, w_VC) -> dict:
@@ -218,6 +258,14 @@ _MM_OUT_DTYPE = _mm_has_out_dtype()
 
 
 @dataclass(frozen=True, slots=True)
+class LoraOps:
+    """A projection with its adapter on the no-grad path (model/lora.py LoraAdapter.project)."""
+
+    joint: Callable  # (x, [W; A], W) -> x [W; A]^T, under W's kernel choice
+    expand: Callable  # (y, t | None, B, scale, r, blocks) -> y + scale t B^T (lora_expand_nograd)
+
+
+@dataclass(frozen=True, slots=True)
 class FusedOps:
     """The kernels of the no-grad fast path, one set per device with the same signatures:
     the C++ ops on the CPU, kernels/fused_norm.py (Triton) on a GPU."""
@@ -227,12 +275,13 @@ class FusedOps:
     qk_norm_rope: Callable
     silu_and_mul: Callable
     linear: Callable  # x @ w.T without bias
+    lora: LoraOps | None = None  # LoRA's projection kernels (model/lora.py LoraAdapter.project); None: torch
     stores_kv: bool = False  # qk_norm_rope takes kv_cache= (the Triton set): gen.decode_kernels = "fused" applies
 
 
 CPU_OPS = FusedOps(torch.ops.rlengine.rms_norm, torch.ops.rlengine.fused_add_rms_norm,
                    torch.ops.rlengine.qk_norm_rope, torch.ops.rlengine.silu_and_mul,
-                   linear_nograd) if FUSED else None
+                   linear_nograd, LoraOps(linear_nograd, lora_expand_nograd)) if FUSED else None
 
 
 @functools.cache

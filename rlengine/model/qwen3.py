@@ -69,12 +69,12 @@ class Attention(nn.Module):
         store_kv (gen.decode_kernels = "fused"): on decode steps the same kernel stores K/V in the cache."""
         T = x_TC.shape[0]
         if self.qkv_lora is not None and self.qkv_proj.bias is None:  # the projection with its adapter
-            qkv = self.qkv_lora.project(x_TC, self.qkv_proj.weight, ops.linear)
+            qkv = self.qkv_lora.project(x_TC, self.qkv_proj.weight, ops.linear, ops.lora)
         else:
             qkv = (ops.linear(x_TC, self.qkv_proj.weight) if self.qkv_proj.bias is None
                    else F.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias))
             if self.qkv_lora is not None:
-                qkv = self.qkv_lora.fused(x_TC, qkv, ops.linear)
+                qkv = self.qkv_lora.fused(x_TC, qkv, ops.linear, ops.lora)
         q_w, k_w = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         target = ctx.fused_kv_target(self.layer_id, qkv.dtype) if store_kv else None
         if target is not None:  # the K/V store folded into the q/k-norm + RoPE launch
@@ -87,8 +87,9 @@ class Attention(nn.Module):
             v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
             o_THD = ctx.attend(self.layer_id, q, k, v)
         o = o_THD.reshape(T, self.q_size)
-        return ops.linear(o, self.o_proj.weight) if self.o_lora is None else self.o_lora.project(o, self.o_proj.weight,
-                                                                                                  ops.linear)
+        if self.o_lora is None:
+            return ops.linear(o, self.o_proj.weight)
+        return self.o_lora.project(o, self.o_proj.weight, ops.linear, ops.lora)
 
     def forward_invariant(self, x_TC, positions_T, rope_table, ctx: AttentionContext):
         """Batch-invariant path (batch_invariant.py): the same structure with the invariant ops."""
@@ -140,7 +141,7 @@ class DecoderLayer(nn.Module):
         h = ops.fused_add_rms_norm(h, residual_TC, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps)
         if isinstance(self.mlp, SwiGLUMLP):
-            h = self.mlp.forward_fused(h, ops.linear, ops.silu_and_mul)
+            h = self.mlp.forward_fused(h, ops.linear, ops.silu_and_mul, ops.lora)
         else:
             h = self.mlp(h)
         return h, residual_TC
