@@ -4,7 +4,8 @@ For each dtype, prompt length S (--lengths) and sequence count B (--batches): B 
 the same weights, dtype and threads, as each side prefills them:
   - rlengine: the engine's prefill forward, the fused no-grad path (Qwen3ForCausalLM.hidden_states with
     fast=True over the packed tokens, the packed causal attention of model/attention.py with its
-    measured kernel choices), then the fp32 logits of each sequence's last token (compute_logits);
+    measured kernel choices; as the engine runs a prefill, the last layer's o_proj and MLP only on each
+    sequence's last token, the row it samples), then the fp32 logits of those rows (compute_logits);
   - transformers (attn_implementation="sdpa"): forward of the [B, S] batch with logits_to_keep=1 (what
     generate() runs for a prompt).
 No KV-cache write on either side (the engine's store is a copy of K/V, not timed here). One warm-up call
@@ -62,8 +63,9 @@ def prefill_calls(ours, hf, B: int, S: int, seed: int = 0):
 
     @torch.inference_mode()
     def ours_call():
-        hidden = ours.hidden_states(ids_BS.reshape(-1), positions, PackedCausal(cu, cfg.head_dim ** -0.5), fast=True)
-        return ours.compute_logits(hidden[last])
+        hidden = ours.hidden_states(ids_BS.reshape(-1), positions, PackedCausal(cu, cfg.head_dim ** -0.5), fast=True,
+                                    rows=last)
+        return ours.compute_logits(hidden)
 
     @torch.inference_mode()
     def hf_call():

@@ -147,10 +147,14 @@ class ModelRunner:
                 hidden_TC = out.hidden[:B]
             else:
                 engine_routing(self.moe_blocks, self.record_routing)
-                hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend, fast=True)
+                # a prefill samples one row a sequence: the last layer's o_proj and MLP run on those rows only,
+                # unless every row is wanted (prompt log-probs, routing replay records every token's experts)
+                rows = (fb.logits_indices if fb.logits_indices is not None and not self.top_logprobs_on
+                        and not self.record_routing else None)
+                hidden_TC = self.model.hidden_states(fb.input_ids, fb.positions, self.backend, fast=True, rows=rows)
                 ids_TLK = recorded_routing(self.moe_blocks) if self.record_routing else None
                 prompt = self._prompt_logprobs(batch, fb, hidden_TC) if self.top_logprobs_on else None
-                if fb.logits_indices is not None:
+                if fb.logits_indices is not None and rows is None:
                     hidden_TC = hidden_TC[fb.logits_indices]
             logits_NV = self.model.compute_logits(hidden_TC)
         with self.ranges("engine.sample"):

@@ -64,9 +64,10 @@ class Attention(nn.Module):
         return o_TC if self.o_lora is None else self.o_lora(o_THD.reshape(T, self.q_size), o_TC)
 
     def forward_fused(self, x_TC, positions_T, rope_table, ctx: AttentionContext, ops: FusedOps,
-                      store_kv: bool = False):
+                      store_kv: bool = False, rows=None):
         """No-grad path: one kernel for q/k RMSNorm (if any) + RoPE straight from the qkv projection;
-        store_kv (gen.decode_kernels = "fused"): on decode steps the same kernel stores K/V in the cache."""
+        store_kv (gen.decode_kernels = "fused"): on decode steps the same kernel stores K/V in the cache.
+        rows: the token rows whose output is wanted (Qwen3Model.forward_fused); None: all."""
         T = x_TC.shape[0]
         if self.qkv_lora is not None and self.qkv_proj.bias is None:  # the projection with its adapter
             qkv = self.qkv_lora.project(x_TC, self.qkv_proj.weight, ops.linear, ops.lora)
@@ -87,6 +88,8 @@ class Attention(nn.Module):
             v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
             o_THD = ctx.attend(self.layer_id, q, k, v)
         o = o_THD.reshape(T, self.q_size)
+        if rows is not None:
+            o = o[rows]
         if self.o_lora is None:
             return ops.linear(o, self.o_proj.weight)
         return self.o_lora.project(o, self.o_proj.weight, ops.linear, ops.lora)
@@ -126,18 +129,22 @@ class DecoderLayer(nn.Module):
         x_TC = x_TC + self.self_attn(self.input_layernorm(x_TC), cos, sin, ctx)
         return x_TC + self.mlp(self.post_attention_layernorm(x_TC))
 
-    def forward_fused(self, out_TC, residual_TC, positions_T, rope_table, ctx, ops: FusedOps, store_kv: bool = False):
+    def forward_fused(self, out_TC, residual_TC, positions_T, rope_table, ctx, ops: FusedOps, store_kv: bool = False,
+                      rows=None):
         """vLLM-style residual stream: adds the previous sublayer output into `residual` in place.
 
         Returns (this layer's MLP output, residual); residual None means out_TC is the embedding.
-        store_kv: Attention.forward_fused.
+        store_kv: Attention.forward_fused. rows: attention over every token, then o_proj and the MLP on
+        these rows only (both outputs [len(rows), C]).
         """
         if residual_TC is None:
             residual_TC = out_TC
             h = ops.rms_norm(out_TC, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
             h = ops.fused_add_rms_norm(out_TC, residual_TC, self.input_layernorm.weight, self.input_layernorm.eps)
-        h = self.self_attn.forward_fused(h, positions_T, rope_table, ctx, ops, store_kv)
+        h = self.self_attn.forward_fused(h, positions_T, rope_table, ctx, ops, store_kv, rows)
+        if rows is not None:
+            residual_TC = residual_TC[rows]  # a copy: the next add writes it in place
         h = ops.fused_add_rms_norm(h, residual_TC, self.post_attention_layernorm.weight,
                                    self.post_attention_layernorm.eps)
         if isinstance(self.mlp, SwiGLUMLP):
@@ -179,21 +186,25 @@ class Qwen3Model(nn.Module):
         self.batch_invariant = False  # Qwen3ForCausalLM.batch_invariant sets it (checked there)
 
     def forward(self, input_ids_T, positions_T, ctx: AttentionContext, *, fast: bool = False,
-                checkpoint_layers: bool = False):
+                checkpoint_layers: bool = False, rows=None):
         """fast=True: the engine's inference path (fused kernels of fused_ops_for, no autograd; the
         torch path where a device has none). fast=False: the differentiable torch path.
         checkpoint_layers (torch path, with autograd on): each decoder layer keeps only its input and
         runs again in the backward (torch.utils.checkpoint, non-reentrant): the same gradients, the
-        activations of one layer at a time instead of all of them."""
+        activations of one layer at a time instead of all of them. rows (int64 [R]): return only these
+        token rows, [R, C]; the fused path then skips the last layer's o_proj and MLP on the others."""
         x_TC = self.embed_tokens(input_ids_T)
         if self.batch_invariant:  # both sides, engine and learner: one implementation per op
-            return self.forward_invariant(x_TC, positions_T, ctx, checkpoint_layers and torch.is_grad_enabled())
+            out = self.forward_invariant(x_TC, positions_T, ctx, checkpoint_layers and torch.is_grad_enabled())
+            return out if rows is None else out[rows]
         ops = fused_ops_for(x_TC.device) if fast and x_TC.dtype != torch.float64 else None  # fp64: torch ops
         if ops is not None:
             if torch.is_grad_enabled() and x_TC.requires_grad:
                 raise RuntimeError("the fused inference path (fast=True) has no autograd; run it under "
                                    "torch.no_grad() / inference_mode, or use fast=False")
-            return self.forward_fused(x_TC, positions_T, ctx, ops)
+            return self.forward_fused(x_TC, positions_T, ctx, ops, rows)
+        if rows is not None:
+            return self.forward(input_ids_T, positions_T, ctx, checkpoint_layers=checkpoint_layers)[rows]
         cos, sin = self.rotary(positions_T, x_TC.dtype)
         recompute = checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
@@ -213,16 +224,22 @@ class Qwen3Model(nn.Module):
                 x_TC = layer(x_TC, None, None, ctx, rope)
         return inv.rms_norm(x_TC, self.norm.weight, self.norm.eps)
 
-    def forward_fused(self, x_TC, positions_T, ctx, ops: FusedOps):
+    def forward_fused(self, x_TC, positions_T, ctx, ops: FusedOps, rows=None):
         """The no-grad fast path on embeddings x_TC, with the kernels in `ops` (fused_ops_for). An engine
         context whose decode_kernels is "fused" (gen.decode_kernels) runs model/fused_decode.py's layer
-        on the Triton ops: six launches a layer where it applies, else this loop with the K/V store folded in."""
+        on the Triton ops: six launches a layer where it applies, else this loop with the K/V store folded in.
+        rows: only these output rows. Every layer's K/V is still computed (and stored) for every token, but
+        nothing reads the last layer's other outputs, so its o_proj, MLP and the final norm run on `rows`
+        (a prefill that samples one row a sequence skips most of a layer's GEMMs)."""
         fused = ops.stores_kv and getattr(ctx, "decode_kernels", "torch") == "fused"
         if fused and fused_decode.six_launch_ok(self, x_TC, ctx):
-            return fused_decode.forward(self, x_TC, positions_T, ctx, ops)
+            out = fused_decode.forward(self, x_TC, positions_T, ctx, ops)
+            return out if rows is None else out[rows]
         out, residual = x_TC, None
-        for layer in self.layers:
-            out, residual = layer.forward_fused(out, residual, positions_T, self.rotary.cos_sin, ctx, ops, fused)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            out, residual = layer.forward_fused(out, residual, positions_T, self.rotary.cos_sin, ctx, ops, fused,
+                                                rows if i == last else None)
         return ops.fused_add_rms_norm(out, residual, self.norm.weight, self.norm.eps)
 
 
@@ -288,9 +305,11 @@ class Qwen3ForCausalLM(nn.Module):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
-    def hidden_states(self, input_ids_T, positions_T, ctx: AttentionContext, *, fast: bool = False) -> torch.Tensor:
-        """Packed forward without the LM head: [T] -> [T, C]. fast: the engine's fused no-grad path."""
-        return self.model(input_ids_T, positions_T, ctx, fast=fast)
+    def hidden_states(self, input_ids_T, positions_T, ctx: AttentionContext, *, fast: bool = False,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed forward without the LM head: [T] -> [T, C]. fast: the engine's fused no-grad path.
+        rows: only these token rows, [R, C] (the rows a prefill samples; Qwen3Model.forward)."""
+        return self.model(input_ids_T, positions_T, ctx, fast=fast, rows=rows)
 
     def compute_logits(self, hidden_TC: torch.Tensor) -> torch.Tensor:
         """The engine's logits of the sampled rows: [B, C] -> [B, V] fp32, no autograd.
