@@ -12,8 +12,9 @@ order, side by side in one process:
     prepare (step inputs + backend.plan) and host (the rest of the step: schedule, postprocess
     and the Python of the forward loop). Means over the steps, the slowest fifth dropped (a
     shared CPU's bursts), so the parts add up to the instrumented step;
-  - linear_ms: the fastest implementation (torch's linear, the C++ skinny linear, the chunked
-    fp32 upcast for bf16; the same candidates the engine chooses from) of each projection shape,
+  - linear_ms: the fastest implementation (torch's linear, the C++ skinny linear, the blocked linear,
+    torch's GEMM over weight blocks, the chunked fp32 upcast for bf16; the candidates the engine
+    chooses from) of each projection shape,
     timed as a back-to-back chain over the model's real weights of that shape: the weight-
     streaming floor of a step. step / linear is what the rest of the step costs on top;
   - hf_ms: transformers generate() on the same weights and dtype (dynamic cache, eager), the
@@ -135,6 +136,10 @@ def _linear_candidates(x, w, logits: bool) -> dict:
     if x.dtype == torch.bfloat16:
         out = torch.float32 if logits else torch.bfloat16
         cands["upcast"] = lambda a, b: op_dispatch._upcast_matmul(a, b, out)
+    if op_dispatch._blocked_ok(x, w):
+        cands["blocked"] = lambda a, b: torch.ops.rlengine.inv_linear(a, b, None, logits)
+    if not logits and op_dispatch._chunked_ok(x, w):
+        cands["chunked"] = op_dispatch._chunked_linear
     return cands
 
 
