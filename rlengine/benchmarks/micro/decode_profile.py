@@ -15,8 +15,10 @@ order, side by side in one process:
   - linear_ms: the fastest implementation (torch's linear, the C++ skinny linear, the blocked linear,
     torch's GEMM over weight blocks, the chunked fp32 upcast for bf16; the candidates the engine
     chooses from) of each projection shape,
-    timed as a back-to-back chain over the model's real weights of that shape: the weight-
-    streaming floor of a step. step / linear is what the rest of the step costs on top;
+    chosen by timing a back-to-back chain over the model's real weights of that shape, then all of
+    them timed in the step's order (layer by layer, the weights streaming through the cache once,
+    as in a step): the weight-streaming floor of a step. step / linear is what the rest of the
+    step costs on top;
   - hf_ms: transformers generate() on the same weights and dtype (dynamic cache, eager), the
     median gap between new tokens handed to a streamer; ratio = hf_ms / step_ms.
 With --rounds R > 1 the plain steps (on a fresh engine, so every round decodes the same contexts) and
@@ -144,13 +146,14 @@ def _linear_candidates(x, w, logits: bool) -> dict:
 
 
 def linear_floor(model, B: int, reps: int = 5, clock: str = "perf_counter") -> tuple[float, dict]:
-    """Seconds of one step's projections and LM head, each shape by its fastest implementation as a
-    chain over the model's weights of that shape; and {shape: (fastest impl, ms per chain)}."""
+    """Seconds of one step's projections and LM head in the step's order, each shape by its fastest
+    implementation (timed as a chain over the model's weights of that shape); and {shape: (fastest impl,
+    ms per chain)}."""
     layers = model.model.layers
     weights = {"qkv": [l.self_attn.qkv_proj.weight for l in layers], "o": [l.self_attn.o_proj.weight for l in layers],
                "gate_up": [l.mlp.gate_up_proj.weight for l in layers], "down": [l.mlp.down_proj.weight for l in layers],
                "lm_head": [model.lm_head.weight]}
-    total, best = 0.0, {}
+    best, chains = {}, {}
     with torch.inference_mode():
         for name, (N, K) in projection_shapes(model.config).items():
             ws = weights[name]
@@ -166,8 +169,45 @@ def linear_floor(model, B: int, reps: int = 5, clock: str = "perf_counter") -> t
                 times[impl] = statistics.median(runs[1:])  # the first run warms the implementation up
             impl = min(times, key=times.get)
             best[name] = (impl, 1e3 * times[impl])
-            total += times[impl]
-    return total, best
+            chains[name] = times
+    return _stream_s(model, B, best, chains, reps, clock), best
+
+
+def _stream_s(model, B: int, best: dict, chains: dict, reps: int, clock: str) -> float:
+    """Seconds of every projection of a step in the step's order (layer by layer, then the LM head): the
+    weights pass through the cache once per run, as in a step, where a chain over one shape's few layers
+    (3-24 MB) may find them in the last-level cache, and a kernel that wins from cache can lose from
+    memory. So each shape's implementation is chosen again here, in the stream: one pass over the shapes,
+    each trying every candidate with the others at their current best (`best` is updated: the impl and its
+    chain's ms)."""
+    layers, shapes = model.model.layers, projection_shapes(model.config)
+    owner = {"qkv": lambda l: l.self_attn.qkv_proj.weight, "o": lambda l: l.self_attn.o_proj.weight,
+             "gate_up": lambda l: l.mlp.gate_up_proj.weight, "down": lambda l: l.mlp.down_proj.weight}
+    xs, cands = {}, {}
+    for name, (N, K) in shapes.items():
+        if name in owner or name == "lm_head":
+            xs[name] = torch.randn(B, K).to(model.dtype)
+            cands[name] = _linear_candidates(xs[name], torch.empty(N, K, dtype=model.dtype), name == "lm_head")
+    order = [(name, owner[name](l)) for l in layers for name in shapes if name in owner]
+    order.append(("lm_head", model.lm_head.weight))
+    chosen = {name: best[name][0] for name in cands}
+
+    def run(choice) -> float:
+        calls = [(cands[name][choice[name]], xs[name], w) for name, w in order]
+        runs = []
+        for _ in range(reps + 1):
+            t0 = getattr(time, clock)()
+            for fn, x, w in calls:
+                fn(x, w)
+            runs.append(getattr(time, clock)() - t0)
+        return statistics.median(runs[1:])
+
+    for name in cands:
+        if len(cands[name]) > 1:
+            times = {impl: run({**chosen, name: impl}) for impl in cands[name]}
+            chosen[name] = min(times, key=times.get)
+            best[name] = (chosen[name], 1e3 * chains[name][chosen[name]])
+    return run(chosen)
 
 
 def _trimmed_means(recs: list[dict]) -> dict:
