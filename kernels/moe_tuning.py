@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from .moe_gemm import MoEConfig, Tiles, pin_config, shape_class
+from .timing import cuda_seconds
 
 _T = Tiles
 # kernel -> shape class -> candidates, first = the untuned choice. Row-block kernels: (block_n,
@@ -53,23 +54,13 @@ def with_tiles(cfg: MoEConfig, kernel: str, tiles: Tiles) -> MoEConfig:
     return dataclasses.replace(cfg, kernel_tiles=rest + ((kernel, tiles),))
 
 
-def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()  # a host sync, once per candidate at first use
-    return start.elapsed_time(end) / 1e3 / reps
-
-
 @dataclasses.dataclass
 class Tuner:
     """The process's tile choices: `choices` maps a key to the winning Tiles."""
 
     budget_s: float = 30.0
     reps: int = 3
-    timer: Callable[[Callable[[], object], int], float] = _cuda_seconds  # (fn, reps) -> seconds per run
+    timer: Callable[[Callable[[], object], int], float] = cuda_seconds  # (fn, reps) -> seconds per run
     choices: dict = dataclasses.field(default_factory=dict)
     spent_s: float = 0.0
     log: list = dataclasses.field(default_factory=list)  # (key, tiles, seconds) per timed candidate

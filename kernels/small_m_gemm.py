@@ -31,6 +31,7 @@ import dataclasses
 import torch
 
 from rlengine.kernels._triton import tl, triton
+from rlengine.kernels.timing import cuda_seconds
 
 MAX_M = 64
 EPI_NONE, EPI_SILU, EPI_RESIDUAL = 0, 1, 2
@@ -288,15 +289,7 @@ def tune(M: int, N: int, K: int, dtype: torch.dtype, epi: int, workspace: SmallM
         run = {EPI_NONE: lambda: norm_linear(x, g, 1e-6, w, workspace=workspace, config=cfg),
                EPI_SILU: lambda: norm_gate_up_silu(x, g, 1e-6, w, workspace=workspace, config=cfg),
                EPI_RESIDUAL: lambda: linear_residual(x, w, res, workspace=workspace, config=cfg)}[epi]
-        for _ in range(3):
-            run()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            run()
-        end.record()
-        end.synchronize()
-        times[cfg] = 1e3 * start.elapsed_time(end) / reps
+        times[cfg] = 1e6 * cuda_seconds(run, reps, warmup=3)
     best = min(times, key=times.get)
     MEASURED[shape_class(M, N, K, dtype, epi)] = best
     return best, times

@@ -78,6 +78,17 @@ build() {
 print('\n'.join(e.status_lines())); assert e.AVAILABLE and e.CUDA_AVAILABLE, 'both extensions must load'"
 }
 
+gpu_info() {  # the card, driver and clocks of this machine, into the archive (not in a dry run)
+  [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
+    --format=csv | tee "$WORK/gpu.txt"
+  return 0
+}
+
+standin() {  # standin STEP: a dry run's stand-in results for the step's parts
+  [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin "$1" "$WORK"
+  return 0
+}
+
 has_build() {
   [ "$DRY" != 0 ] && return 1
   python3 -c "import rlengine.model.ext as e; assert e.AVAILABLE and e.CUDA_AVAILABLE" >/dev/null 2>&1
@@ -97,10 +108,9 @@ shard() {  # shard NAME PYTEST-ARGS...
 }
 
 run_test_step() {
-  [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
-    --format=csv | tee "$WORK/gpu.txt"
+  gpu_info
   build_or_stop 180
-  [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin test "$WORK"
+  standin test
   # Four shards in parallel: Triton compiles are single-threaded per process and dominate the wall time.
   part paged_decode 100 shard paged_decode tests/gpu/test_triton_kernels_gpu.py -k paged_decode & local p1=$!
   part kernels 100 shard kernels tests/gpu/test_triton_kernels_gpu.py -k "not paged_decode" & local p2=$!
@@ -118,10 +128,9 @@ bench() {  # bench NAME CMD...: a real bench, or its stand-in result in a dry ru
 }
 
 run_bench_step() {
-  [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
-    --format=csv | tee "$WORK/gpu.txt"
+  gpu_info
   has_build || build_or_stop 180  # a fresh machine: the test step's build is gone
-  [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin bench "$WORK"
+  standin bench
   part ceilings 15 bench ceilings python3 -m rlengine.cli bench ceilings --device cuda --out "$WORK" || STATUS=1
   local ceil=(); [ -f "$WORK/ceilings.json" ] && ceil=(--ceilings "$WORK/ceilings.json")
   part shared_prefix 60 bench shared_prefix python3 bench/bench_shared_prefix.py --backend triton \
@@ -137,10 +146,9 @@ run_bench_step() {
 }
 
 run_profile_step() {
-  [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
-    --format=csv | tee "$WORK/gpu.txt"
+  gpu_info
   has_build || build_or_stop 180
-  [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin profile "$WORK"
+  standin profile
   local part_name limit
   for part_name in kernels:90 events:120 paged:40; do
     limit=${part_name#*:}; part_name=${part_name%%:*}
@@ -160,10 +168,9 @@ costs() {
 }
 
 run_decode2_step() {
-  [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
-    --format=csv | tee "$WORK/gpu.txt"
+  gpu_info
   has_build || build_or_stop 180
-  [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin decode2 "$WORK"
+  standin decode2
   part fused_tests 90 shard fused_tests tests/engine/test_fused_decode_layer.py || STATUS=1
   local k
   for k in torch fused; do  # the same bench, one setting after the other on the same warm machine
@@ -176,10 +183,9 @@ run_decode2_step() {
 }
 
 run_rl_step() {
-  [ "$DRY" = 0 ] && nvidia-smi --query-gpu=name,driver_version,compute_cap,clocks.sm,clocks.mem,power.limit \
-    --format=csv | tee "$WORK/gpu.txt"
+  gpu_info
   has_build || build_or_stop 150
-  [ "$DRY" != 0 ] && python3 tools/gpu_check_summary.py standin rl "$WORK"
+  standin rl
   part rl_tests 60 shard rl_tests tests/gpu/test_training_gpu.py || STATUS=1
   # SIGINT, not SIGTERM-then-KILL: the trainer finishes its update, checkpoints, and metrics.jsonl is whole
   local start; start=$(date +%s)

@@ -20,17 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-
-def _time(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return 1e3 * start.elapsed_time(end) / reps
+from rlengine.kernels.timing import cuda_seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             best, times = sm.tune(M, N, K, dtype, epi, ws, reps=args.reps)
             x = torch.randn(M, K, device=dev, dtype=dtype)
             w = torch.randn(2 * N if epi == sm.EPI_SILU else N, K, device=dev, dtype=dtype)
-            torch_us = _time(lambda: F.linear(x, w), args.reps)
+            torch_us = 1e6 * cuda_seconds(lambda: F.linear(x, w), args.reps, warmup=3)
             rows.append({"op": name, "M": M, "N": N, "K": K, "best": str(best), "best_us": round(times[best], 2),
                          "heuristic": str(heuristic), "heuristic_us": round(times.get(heuristic, float("nan")), 2),
                          "torch_linear_us": round(torch_us, 2),

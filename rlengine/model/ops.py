@@ -103,13 +103,20 @@ def _blocked_ok(x_BK: torch.Tensor, w_NK: torch.Tensor) -> bool:
             and x_BK.shape[1] > 0)
 
 
-def _choose(op: str, x_BK: torch.Tensor, w_NK: torch.Tensor, candidates: Callable[[], dict]) -> str:
+def _choose(op: str, x_BK: torch.Tensor, w_NK: torch.Tensor, candidates: Callable[[], dict], *,
+            rule: str | None = None, unpinned: str | None = None) -> str:
+    """The implementation KERNELS chose for (op, x's dtype and rows, w's shape), deciding it at first use.
+    rule: the "skinny" mode's choice (default: skinny where it is a candidate, else torch); unpinned: what
+    a pinned table without this shape class runs (default: none, KERNELS raises)."""
     memo_key = (op, x_BK.dtype, x_BK.shape[0], w_NK.shape)
     impl = KERNELS.memo.get(memo_key)
     if impl is None:
-        cands = candidates()
-        impl = KERNELS.choose(shape_key(op, x_BK.dtype, x_BK.shape[0], tuple(w_NK.shape)), cands,
-                              rule="skinny" if "skinny" in cands else "torch")
+        key = shape_key(op, x_BK.dtype, x_BK.shape[0], tuple(w_NK.shape))
+        if unpinned is not None and KERNELS.mode == "pinned" and key not in KERNELS.table:
+            impl = unpinned
+        else:
+            cands = candidates()
+            impl = KERNELS.choose(key, cands, rule=rule or ("skinny" if "skinny" in cands else "torch"))
         KERNELS.memo[memo_key] = impl
     return impl
 
@@ -177,7 +184,7 @@ def linear_nograd(x_TC: torch.Tensor, w: torch.Tensor, like: torch.Tensor | None
         return _upcast_matmul(x_TC, w, x_TC.dtype)
     if impl == "blocked":
         return torch.ops.rlengine.inv_linear(x_TC, w, None, False)
-    if impl == "chunked" and _chunked_ok(x_TC, w):
+    if impl == "chunked":
         return _chunked_linear(x_TC, w)
     return F.linear(x_TC, w)
 
@@ -191,18 +198,13 @@ def lora_expand_nograd(y_TO: torch.Tensor, t_TJ: torch.Tensor | None, B_OJ: torc
     dense B, then the add) or "expand" (csrc/lora_expand.cpp: only the blocks, one rounding)."""
     if not LORA_EXPAND or y_TO.device.type != "cpu" or y_TO.dim() != 2 or y_TO.shape[0] == 0:
         return _lora_dense(y_TO, t_TJ, B_OJ, scale, linear_nograd)
-    memo_key = ("lora_expand", y_TO.dtype, y_TO.shape[0], B_OJ.shape)
-    impl = KERNELS.memo.get(memo_key)
-    if impl is None:
-        key = shape_key("lora_expand", y_TO.dtype, y_TO.shape[0], tuple(B_OJ.shape))
-        if KERNELS.mode == "pinned" and key not in KERNELS.table:
-            impl = "torch"  # a table saved before this choice existed: the fixed rule it was saved with
-        else:
-            cold = _ColdWeights(B_OJ)
-            cands = {"torch": lambda: _lora_dense(y_TO, t_TJ, cold.next(), scale, linear_nograd),
-                     "expand": lambda: torch.ops.rlengine.lora_expand(y_TO, t_TJ, cold.next(), scale, r, blocks)}
-            impl = KERNELS.choose(key, cands, rule="expand")
-        KERNELS.memo[memo_key] = impl
+
+    def candidates() -> dict:
+        cold = _ColdWeights(B_OJ)
+        return {"torch": lambda: _lora_dense(y_TO, t_TJ, cold.next(), scale, linear_nograd),
+                "expand": lambda: torch.ops.rlengine.lora_expand(y_TO, t_TJ, cold.next(), scale, r, blocks)}
+    # a pinned table saved before this choice existed: the fixed rule it was saved with (torch)
+    impl = _choose("lora_expand", y_TO, B_OJ, candidates, rule="expand", unpinned="torch")
     if impl == "expand":
         return torch.ops.rlengine.lora_expand(y_TO, t_TJ, B_OJ, scale, r, blocks)
     return _lora_dense(y_TO, t_TJ, B_OJ, scale, linear_nograd)

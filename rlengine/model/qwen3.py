@@ -203,8 +203,6 @@ class Qwen3Model(nn.Module):
                 raise RuntimeError("the fused inference path (fast=True) has no autograd; run it under "
                                    "torch.no_grad() / inference_mode, or use fast=False")
             return self.forward_fused(x_TC, positions_T, ctx, ops, rows)
-        if rows is not None:
-            return self.forward(input_ids_T, positions_T, ctx, checkpoint_layers=checkpoint_layers)[rows]
         cos, sin = self.rotary(positions_T, x_TC.dtype)
         recompute = checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
@@ -212,7 +210,7 @@ class Qwen3Model(nn.Module):
                 x_TC = checkpoint(layer, x_TC, cos, sin, ctx, use_reentrant=False)
             else:
                 x_TC = layer(x_TC, cos, sin, ctx)
-        return self.norm(x_TC)
+        return self.norm(x_TC if rows is None else x_TC[rows])  # the norm is per row
 
     def forward_invariant(self, x_TC, positions_T, ctx, recompute: bool):
         """The batch-invariant path (model/batch_invariant.py), with or without autograd."""
