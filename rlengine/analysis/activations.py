@@ -28,6 +28,12 @@ bytes, with s the compute dtype's size and f = 4 (fp32):
   once per token               ids, positions, padding index and targets (4 x 8), cos / sin
                                (2 s D), the final norm and the head's input
 
+The CPU learner runs RMSNorm, the q / k norm + RoPE and SiLU * up as autograd Functions over C++
+kernels (model/train_ops.py, kernels=True below), which keep less: a norm its input and output (2 s n);
+the q / k norm + RoPE only the qkv output (already counted) and its q, k, v outputs (s (H + 2 Hkv) D, in
+place of the RoPE outputs and the q / k norms' tensors), plus one fp32 cos / sin table and positions per
+forward (2 f D + 8, in place of cos / sin); the MLP gate_up's output and its SiLU * up (3 s F).
+
 Padded tokens: the learner pads the micro-batch's sequences to its longest (B x S_max rows) for
 SDPA; the memory plan, which assumes every sequence at max_model_len, counts micro x S for both.
 With train.activation_checkpointing every decoder layer keeps only its input (s C) and one layer's
@@ -116,19 +122,25 @@ def moe_expert_bytes(cfg: ModelConfig, s: int, moe: str = "torch") -> tuple[int,
     return saved, K * (2 * s * Fm + partials) + (_F32 + s) * C, pad * (2 * s * Fm + 4), pad * 2 * s * Fm
 
 
-def layer_saved(cfg: ModelConfig, layer: int, s: int, tokens: int, padded_tokens: int, moe: str = "torch") -> int:
-    """Bytes one decoder layer's forward keeps for the backward (see the module docstring)."""
+def layer_saved(cfg: ModelConfig, layer: int, s: int, tokens: int, padded_tokens: int, moe: str = "torch",
+                kernels: bool = False) -> int:
+    """Bytes one decoder layer's forward keeps for the backward (see the module docstring); kernels: the
+    CPU kernels' Functions (model/train_ops.py) run the norms, q / k norm + RoPE and SiLU * up."""
     C, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    per_tok = _norm(C, s) + s * (H + 2 * Hkv) * D + s * (H + Hkv) * D + s * H * D
-    if cfg.qk_norm:  # q_norm and k_norm: fp32 inputs (the qkv output itself in fp32), their normalised value
-        per_tok += (0 if s >= _F32 else _F32 * (H + Hkv) * D) + _F32 * (H + Hkv) + s * (H + Hkv) * D
-    per_tok += _norm(C, s)
+    norm = 2 * s * C if kernels else _norm(C, s)
+    if kernels:  # qkv, the Function's q, k, v outputs, the o_proj input
+        per_tok = norm + s * (H + 2 * Hkv) * D + s * (H + 2 * Hkv) * D + s * H * D
+    else:
+        per_tok = norm + s * (H + 2 * Hkv) * D + s * (H + Hkv) * D + s * H * D
+        if cfg.qk_norm:  # q_norm and k_norm: fp32 inputs (the qkv output itself in fp32), their normalised value
+            per_tok += (0 if s >= _F32 else _F32 * (H + Hkv) * D) + _F32 * (H + Hkv) + s * (H + Hkv) * D
+    per_tok += norm
     if cfg.is_moe_layer(layer):
         K, E = cfg.num_experts_per_tok, cfg.num_experts
         experts, _, per_layer, _ = moe_expert_bytes(cfg, s, moe)
         per_tok += _F32 * (E + K + 1) + 2 * _ID * K + experts
     else:
-        per_tok += 4 * s * cfg.intermediate_size
+        per_tok += (3 if kernels else 4) * s * cfg.intermediate_size
         per_layer = 0
     per_padded = s * (2 * H + 2 * Hkv) * D + _F32 * H
     return tokens * per_tok + padded_tokens * per_padded + per_layer
@@ -156,7 +168,8 @@ def head_transient(cfg: ModelConfig, tokens: int, s: int, *, head: str, mode: st
 
 def activation_parts(cfg: ModelConfig, tokens: int, dtype: str, *, padded_tokens: int | None = None,
                      checkpointing: bool = False, head: str = "chunked", mode: str = "raw",
-                     chunk_elems: int = HEAD_CHUNK_ELEMS, moe: str = "torch") -> Activations:
+                     chunk_elems: int = HEAD_CHUNK_ELEMS, moe: str = "torch",
+                     kernels: bool | None = None) -> Activations:
     """Activation bytes of the learner's forward + backward over `tokens` packed tokens.
 
     padded_tokens: the rows the attention pads to (B x S_max; default tokens). head: "chunked" (the
@@ -165,15 +178,21 @@ def activation_parts(cfg: ModelConfig, tokens: int, dtype: str, *, padded_tokens
     counted as the torch path's, an over-count); mode: the log-prob definition, "raw" or
     "processed" (the chunked head, unless materialized). checkpointing: train.activation_checkpointing.
     moe: the experts' path (MOE_PATHS); "torch" bounds the fused ones too, so the plan uses it.
+    kernels: the torch path's layers run the CPU kernels' Functions (model/train_ops.py); default: whether
+    they are built here (the CPU learner's path; a CUDA plan passes False).
     """
+    if kernels is None:
+        from rlengine.model import ext  # loads the extension: lazy, for the plan's light imports
+        kernels = ext.has_train_ops()
     if head not in HEADS or mode not in _CHUNK_BLOCKS:
         raise ValueError(f"activation_parts: head must be one of {HEADS} and mode 'raw' or 'processed', "
                          f"got {head!r}, {mode!r}")
     s = BYTES[dtype]
     C, D, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
     padded = tokens if padded_tokens is None else max(tokens, padded_tokens)
-    layers = [layer_saved(cfg, i, s, tokens, padded, moe) for i in range(L)]
-    once = tokens * (4 * _ID + 2 * s * D + _norm(C, s))
+    layers = [layer_saved(cfg, i, s, tokens, padded, moe, kernels) for i in range(L)]
+    # ids, positions, padding index, targets; cos / sin (kernels: their fp32 table and positions), the final norm
+    once = tokens * (4 * _ID + (2 * _F32 * D + _ID + 2 * s * C if kernels else 2 * s * D + _norm(C, s)))
     if head == "chunked" and mode == "raw" and tokens <= head_chunk_tokens(cfg.vocab_size, chunk_elems):
         once += tokens * cfg.vocab_size * _F32  # the one chunk's log-softmax block, saved for the backward
     if head == "fused":  # log-sum-exp and entropy

@@ -80,6 +80,16 @@ def build_id() -> str:
         return "none"
 
 
+# The CPU learner's autograd Functions (model/train_ops.py) run when all of these are built.
+TRAIN_OPS = ("rms_norm", "rms_norm_backward", "silu_and_mul", "silu_and_mul_backward", "qk_norm_rope",
+             "qk_norm_rope_backward")
+
+
+def has_train_ops() -> bool:
+    """True when the extension has every op of TRAIN_OPS."""
+    return all(has_op(op) for op in TRAIN_OPS)
+
+
 def has_op(name: str) -> bool:
     """True when torch.ops.rlengine.<name> is registered by the built extension."""
     if not AVAILABLE:

@@ -3,7 +3,9 @@
 Numerics follow Hugging Face's Qwen3 / Qwen2 / Llama exactly (RMSNorm upcasts to fp32 and casts
 back before the weight multiply; RoPE tables, llama3 rule included, are computed in fp32 and cast
 to the activation dtype), so logits agree with transformers to fp32 rounding. These modules are the differentiable torch
-path; the engine's fused inference path (qwen3.FusedOps) calls its kernels with their weights.
+path; the engine's fused inference path (qwen3.FusedOps) calls its kernels with their weights. On the CPU,
+RMSNorm and SiLU * up run as autograd Functions over the C++ kernels (model/train_ops.py): the same
+expressions, with one-pass backwards.
 
 Dimension legend: T tokens, C hidden, H / Hkv heads, D head dim, F FFN.
 """
@@ -13,9 +15,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from rlengine.model import train_ops
 from rlengine.model.config import ConfigError, ModelConfig
 
 
@@ -34,7 +36,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_ref(x, self.weight, self.eps)
+        return train_ops.rms_norm(x, self.weight, self.eps, rms_norm_ref)
 
 
 class RotaryEmbedding(nn.Module):
@@ -127,8 +129,7 @@ class SwiGLUMLP(nn.Module):
         gu = self.gate_up_proj(x)
         if self.gate_up_lora is not None:
             gu = self.gate_up_lora(x, gu)
-        gate, up = gu.split(self.ffn, dim=-1)
-        a = F.silu(gate) * up
+        a = train_ops.silu_and_mul(gu)
         out = self.down_proj(a)
         return out if self.down_lora is None else self.down_lora(a, out)
 

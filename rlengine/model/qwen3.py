@@ -24,6 +24,7 @@ from rlengine.model.config import ModelConfig
 from rlengine.model import batch_invariant as inv
 from rlengine.model import batch_invariant_moe as inv_moe
 from rlengine.model import fused_decode
+from rlengine.model import train_ops
 from rlengine.model import ops as op_dispatch
 from rlengine.model.attention import AttentionContext, DenseCausal, PackedCausal
 from rlengine.model.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rope
@@ -48,18 +49,25 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qkv_lora = self.o_lora = None  # LoRA adapters (model/lora.py add_lora), if any
 
+    def _qk_weights(self):
+        return (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+
     def forward(self, x_TC, cos, sin, ctx: AttentionContext):
         T = x_TC.shape[0]
         qkv = self.qkv_proj(x_TC)
         if self.qkv_lora is not None:
             qkv = self.qkv_lora(x_TC, qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o_THD = ctx.attend(self.layer_id, q, k, v.view(T, self.num_kv_heads, self.head_dim))
+        qkv_parts = train_ops.qk_norm_rope(qkv, *self._qk_weights(), cos, sin, self.num_heads, self.num_kv_heads,
+                                           self.eps)  # the CPU kernels, or None: the torch expressions
+        if qkv_parts is None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qkv_parts = q, k, v.view(T, self.num_kv_heads, self.head_dim)
+        o_THD = ctx.attend(self.layer_id, *qkv_parts)
         o_TC = self.o_proj(o_THD.reshape(T, self.q_size))
         return o_TC if self.o_lora is None else self.o_lora(o_THD.reshape(T, self.q_size), o_TC)
 
@@ -76,7 +84,7 @@ class Attention(nn.Module):
                    else F.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias))
             if self.qkv_lora is not None:
                 qkv = self.qkv_lora.fused(x_TC, qkv, ops.linear, ops.lora)
-        q_w, k_w = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        q_w, k_w = self._qk_weights()
         target = ctx.fused_kv_target(self.layer_id, qkv.dtype) if store_kv else None
         if target is not None:  # the K/V store folded into the q/k-norm + RoPE launch
             q, _ = ops.qk_norm_rope(qkv, q_w, k_w, rope_table, positions_T, self.num_heads, self.num_kv_heads,
@@ -100,7 +108,7 @@ class Attention(nn.Module):
         qkv = inv.linear(x_TC, self.qkv_proj.weight, self.qkv_proj.bias)
         if self.qkv_lora is not None:
             qkv = self.qkv_lora.invariant(x_TC, qkv, inv.linear)
-        q_w, k_w = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        q_w, k_w = self._qk_weights()
         q, k = inv.qk_norm_rope(qkv, q_w, k_w, rope_table, positions_T, self.num_heads, self.num_kv_heads, self.eps)
         v = qkv[:, self.q_size + self.kv_size:].reshape(T, self.num_kv_heads, self.head_dim)
         o_THD = ctx.attend(self.layer_id, q, k, v)

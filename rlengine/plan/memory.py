@@ -119,7 +119,7 @@ def plan_for_config(tc, *, device_bytes: int, max_model_len: int, eval_seqs: int
     head, mode = learner_head(tc, device_type)
     measured = activations is not None
     act = activation_parts(cfg, micro * max_model_len, tc.model.dtype, checkpointing=t.activation_checkpointing,
-                           head=head, mode=mode)
+                           head=head, mode=mode, kernels=None if device_type == "cpu" else False)
     activations = act.total if activations is None else activations
     critic = t.algorithm.critic
     if critic:  # the critic trunk's saved tensors (<= the actor's) live through the actor's backward

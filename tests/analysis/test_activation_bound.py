@@ -132,13 +132,31 @@ def test_estimate_arithmetic():
     #   + q / k norms (4 x 6 rsqrt + 4 x 192) + MLP 4 x 4 x 160; per padded token SDPA 4 x 384 + 4 x 4
     layer = T * (2 * 772 + 1024 + 768 + 512 + 792 + 2560) + P * (1536 + 16)
     once = T * (32 + 2 * 4 * 32 + 772) + T * 512 * 4  # ... and the raw head's saved [T, V] log-softmax block
-    est = activation_parts(cfg, T, "float32", padded_tokens=P)
+    est = activation_parts(cfg, T, "float32", padded_tokens=P, kernels=False)
     assert est.saved == layer + once
     # the head: grad_h 4 C T, grad_W in the model's dtype (T fits one chunk), 3.5 [T, V] fp32 blocks;
     # a layer's gradients: half its saved bytes and two residual gradients
     assert est.transient == max(4 * 64 * T + 512 * 64 * 4 + 7 * T * 512 * 2, layer // 2 + 2 * 4 * 64 * T)
-    ckpt = activation_parts(cfg, T, "float32", padded_tokens=P, checkpointing=True)
+    ckpt = activation_parts(cfg, T, "float32", padded_tokens=P, checkpointing=True, kernels=False)
     assert ckpt.saved == once + 4 * 64 * T
-    assert activation_parts(cfg, 2 * T, "float32", padded_tokens=2 * P).saved == 2 * est.saved  # 512 rows: one chunk
+    assert activation_parts(cfg, 2 * T, "float32", padded_tokens=2 * P, kernels=False).saved == 2 * est.saved
+    # the CPU kernels' Functions: norms keep input and output (2 x 4 C), the q / k norm + RoPE its q, k, v
+    # (4 x 256), the MLP 3 x 4 x 160; once: the fp32 cos / sin table and positions (2 x 4 x 32 + 8), the final norm
+    layer_k = T * (2 * 512 + 1024 + 1024 + 512 + 1920) + P * (1536 + 16)
+    once_k = T * (32 + 2 * 4 * 32 + 8 + 512) + T * 512 * 4
+    assert activation_parts(cfg, T, "float32", padded_tokens=P, kernels=True).saved == layer_k + once_k
     with pytest.raises(ValueError, match="head must be one of"):
         activation_parts(cfg, T, "float32", head="dense")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_expressions_are_counted_where_the_kernels_do_not_run(dtype, monkeypatch):
+    """Without the CPU kernels' Functions (a build without the extension; CUDA) the layers run the torch
+    expressions, which keep more: kernels=False bounds that path as tightly."""
+    from rlengine.model import train_ops
+    monkeypatch.setattr(train_ops, "AVAILABLE", False)
+    cfg = _cfg("qwen3")
+    saved, peak = _measure(cfg, getattr(torch, dtype), LENS, checkpointing=False, mode="raw")
+    est = activation_parts(cfg, sum(LENS), dtype, padded_tokens=len(LENS) * max(LENS), kernels=False)
+    assert saved <= est.saved <= 1.5 * saved, (est.saved / saved, saved)
+    assert peak <= est.total <= 1.5 * peak, (est.total / peak, peak)

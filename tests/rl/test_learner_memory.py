@@ -59,9 +59,12 @@ def test_activation_checkpointing_cuts_saved_bytes_and_keeps_the_gradients():
     for a, b in zip(g_plain, g_ckpt):
         assert torch.equal(a, b)
     # the plan: each layer's saved tensors become its input (s C), plus one layer recomputed at a time
-    plain_est, ckpt_est = (activation_parts(cfg, T, "float32", checkpointing=c) for c in (False, True))
-    assert plain_est.saved - ckpt_est.saved == sum(layer_saved(cfg, i, 4, T, T) for i in range(L)) - L * T * C * 4
-    assert ckpt_est.total < plain_est.total
+    for kernels in (False, True):  # the torch expressions, the CPU kernels' Functions (model/train_ops.py)
+        plain_est, ckpt_est = (activation_parts(cfg, T, "float32", checkpointing=c, kernels=kernels)
+                               for c in (False, True))
+        layers = sum(layer_saved(cfg, i, 4, T, T, kernels=kernels) for i in range(L))
+        assert plain_est.saved - ckpt_est.saved == layers - L * T * C * 4
+        assert ckpt_est.total < plain_est.total
 
 
 def test_learner_uses_checkpointing_with_unchanged_gradients():
