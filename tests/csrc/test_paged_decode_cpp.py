@@ -37,6 +37,23 @@ def test_cpp_matches_references(gqa, D, P, dtype):
     check_against_references(out, batch, D**-0.5)
 
 
+# The two work layouts: one item per sequence (every KV head over whole pages) when the items outnumber
+# the threads four to one or the step runs on one thread, else one per (sequence, KV head). Same result.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpp_per_sequence_and_per_head_items_agree(dtype):
+    batch = make_batch([1, 16, 17, 97, 300, 64], 8, 2, 128, 16, dtype, seed=11)  # > 2^20 multiply-adds
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):  # 6 sequences: >= 4 per thread on one thread, < 4 per thread on two
+            torch.set_num_threads(n)
+            outs.append(paged_decode_cpp(batch.q, batch.k_cache, batch.v_cache, *batch.tables(), sm_scale=0.1))
+            check_against_references(outs[-1], batch, 0.1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])  # every row: the same pages in the same order
+
+
 # Head dims off the 16-lane tiles (40, 24): the portable loops, which AVX-512 builds keep for these.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("D", [40, 24], ids=lambda d: f"D{d}")
