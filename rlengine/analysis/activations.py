@@ -32,7 +32,8 @@ The CPU learner runs RMSNorm, the q / k norm + RoPE and SiLU * up as autograd Fu
 kernels (model/train_ops.py, kernels=True below), which keep less: a norm its input and output (2 s n);
 the q / k norm + RoPE only the qkv output (already counted) and its q, k, v outputs (s (H + 2 Hkv) D, in
 place of the RoPE outputs and the q / k norms' tensors), plus one fp32 cos / sin table and positions per
-forward (2 f D + 8, in place of cos / sin); the MLP gate_up's output and its SiLU * up (3 s F).
+forward (2 f D + 8, in place of cos / sin); where SiLU * up's Function runs too (AVX-512 builds, fp32 / bf16)
+the MLP keeps gate_up's output and its result (3 s F).
 
 Padded tokens: the learner pads the micro-batch's sequences to its longest (B x S_max rows) for
 SDPA; the memory plan, which assumes every sequence at max_model_len, counts micro x S for both.
@@ -123,9 +124,9 @@ def moe_expert_bytes(cfg: ModelConfig, s: int, moe: str = "torch") -> tuple[int,
 
 
 def layer_saved(cfg: ModelConfig, layer: int, s: int, tokens: int, padded_tokens: int, moe: str = "torch",
-                kernels: bool = False) -> int:
+                kernels: bool = False, silu: bool = False) -> int:
     """Bytes one decoder layer's forward keeps for the backward (see the module docstring); kernels: the
-    CPU kernels' Functions (model/train_ops.py) run the norms, q / k norm + RoPE and SiLU * up."""
+    CPU kernels' Functions (model/train_ops.py) run the norms and q / k norm + RoPE, silu: SiLU * up too."""
     C, H, Hkv, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     norm = 2 * s * C if kernels else _norm(C, s)
     if kernels:  # qkv, the Function's q, k, v outputs, the o_proj input
@@ -140,7 +141,7 @@ def layer_saved(cfg: ModelConfig, layer: int, s: int, tokens: int, padded_tokens
         experts, _, per_layer, _ = moe_expert_bytes(cfg, s, moe)
         per_tok += _F32 * (E + K + 1) + 2 * _ID * K + experts
     else:
-        per_tok += (3 if kernels else 4) * s * cfg.intermediate_size
+        per_tok += (3 if silu else 4) * s * cfg.intermediate_size
         per_layer = 0
     per_padded = s * (2 * H + 2 * Hkv) * D + _F32 * H
     return tokens * per_tok + padded_tokens * per_padded + per_layer
@@ -181,16 +182,17 @@ def activation_parts(cfg: ModelConfig, tokens: int, dtype: str, *, padded_tokens
     kernels: the torch path's layers run the CPU kernels' Functions (model/train_ops.py); default: whether
     they are built here (the CPU learner's path; a CUDA plan passes False).
     """
+    from rlengine.model import ext  # loads the extension: lazy, for the plan's light imports
     if kernels is None:
-        from rlengine.model import ext  # loads the extension: lazy, for the plan's light imports
         kernels = ext.has_train_ops()
+    silu = kernels and dtype != "float16" and ext.train_silu()  # train_ops.silu_and_mul's condition
     if head not in HEADS or mode not in _CHUNK_BLOCKS:
         raise ValueError(f"activation_parts: head must be one of {HEADS} and mode 'raw' or 'processed', "
                          f"got {head!r}, {mode!r}")
     s = BYTES[dtype]
     C, D, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
     padded = tokens if padded_tokens is None else max(tokens, padded_tokens)
-    layers = [layer_saved(cfg, i, s, tokens, padded, moe, kernels) for i in range(L)]
+    layers = [layer_saved(cfg, i, s, tokens, padded, moe, kernels, silu) for i in range(L)]
     # ids, positions, padding index, targets; cos / sin (kernels: their fp32 table and positions), the final norm
     once = tokens * (4 * _ID + (2 * _F32 * D + _ID + 2 * s * C if kernels else 2 * s * D + _norm(C, s)))
     if head == "chunked" and mode == "raw" and tokens <= head_chunk_tokens(cfg.vocab_size, chunk_elems):

@@ -82,12 +82,17 @@ def build_id() -> str:
 
 # The CPU learner's autograd Functions (model/train_ops.py) run when all of these are built.
 TRAIN_OPS = ("rms_norm", "rms_norm_backward", "silu_and_mul", "silu_and_mul_backward", "qk_norm_rope",
-             "qk_norm_rope_backward")
+             "qk_norm_rope_backward", "silu_backward_vectorized")
 
 
 def has_train_ops() -> bool:
     """True when the extension has every op of TRAIN_OPS."""
     return all(has_op(op) for op in TRAIN_OPS)
+
+
+def train_silu() -> bool:
+    """True when the CPU learner's SiLU * up Function runs here (has_train_ops and an AVX-512 build)."""
+    return has_train_ops() and bool(torch.ops.rlengine.silu_backward_vectorized())
 
 
 def has_op(name: str) -> bool:

@@ -14,7 +14,8 @@ The attention's q / k norm and RoPE are one Function over the fused qkv output (
 forward kernel), whose backward writes the whole projection's gradient.
 They save the layer's input only (the norm's [T, C] input instead of its fp32 copy and the intermediates
 autograd keeps). Where the kernels do not apply (no extension, float64, another device, a tensor subclass
-such as DTensor, tracing by torch.compile) the torch expressions run as before.
+such as DTensor, tracing by torch.compile) the torch expressions run as before; SiLU * up also keeps them
+in fp16 and in builds without AVX-512, where its backward row was slower than autograd's ops.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from torch.autograd.function import once_differentiable
 from rlengine.model import ext as _ext
 
 AVAILABLE = _ext.has_train_ops()
+# SiLU * up's backward only where its AVX-512 row is built (csrc/train_backward.cpp silu_backward_vectorized)
+SILU = _ext.train_silu()
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -132,7 +135,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, ref) -> torch.Tensor:
 
 def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gu = [gate | up] on the last dim: the kernels where they apply, else torch's ops."""
-    if applies(gu):
+    if SILU and applies(gu) and gu.dtype != torch.float16:
         return SiluAndMulFunction.apply(gu)
     gate, up = gu.chunk(2, dim=-1)
     return F.silu(gate) * up

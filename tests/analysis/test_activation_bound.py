@@ -141,8 +141,10 @@ def test_estimate_arithmetic():
     assert ckpt.saved == once + 4 * 64 * T
     assert activation_parts(cfg, 2 * T, "float32", padded_tokens=2 * P, kernels=False).saved == 2 * est.saved
     # the CPU kernels' Functions: norms keep input and output (2 x 4 C), the q / k norm + RoPE its q, k, v
-    # (4 x 256), the MLP 3 x 4 x 160; once: the fp32 cos / sin table and positions (2 x 4 x 32 + 8), the final norm
-    layer_k = T * (2 * 512 + 1024 + 1024 + 512 + 1920) + P * (1536 + 16)
+    # (4 x 256), the MLP 3 x 4 x 160 with the SiLU Function (AVX-512 builds) else 4 x 4 x 160; once: the fp32
+    # cos / sin table and positions (2 x 4 x 32 + 8), the final norm
+    from rlengine.model import ext
+    layer_k = T * (2 * 512 + 1024 + 1024 + 512 + (3 if ext.train_silu() else 4) * 640) + P * (1536 + 16)
     once_k = T * (32 + 2 * 4 * 32 + 8 + 512) + T * 512 * 4
     assert activation_parts(cfg, T, "float32", padded_tokens=P, kernels=True).saved == layer_k + once_k
     with pytest.raises(ValueError, match="head must be one of"):

@@ -107,6 +107,18 @@ def test_silu_and_mul_backward_rejects_bad_shapes():
 # ---- the modules
 
 
+def _graph_names(t):
+    """Names of every autograd node behind t."""
+    seen, names, todo = set(), set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            names.add(node.name())
+            todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_modules_run_the_functions_and_match_torch_autograd(dtype):
     """RMSNorm and SwiGLUMLP take the kernels on the CPU: outputs within one rounding of the torch
@@ -119,10 +131,13 @@ def test_modules_run_the_functions_and_match_torch_autograd(dtype):
         norm.weight.copy_(1 + 0.5 * torch.randn(64, generator=gen))
     x = _rand(gen, 2, 24, 64, dtype=dtype).requires_grad_()
     g = _rand(gen, 2, 24, 64, dtype=dtype)
+    names = _graph_names(mlp(norm(x)))
+    assert "RMSNormFunctionBackward" in names
+    assert ("SiluAndMulFunctionBackward" in names) == train_ops.SILU  # AVX-512 builds: the SiLU Function too
 
     def run(fast):
-        train_ops_available = train_ops.AVAILABLE
-        train_ops.AVAILABLE = fast
+        train_ops_available, silu = train_ops.AVAILABLE, train_ops.SILU
+        train_ops.AVAILABLE = train_ops.SILU = fast
         try:
             norm.zero_grad(), mlp.zero_grad()
             x.grad = None
@@ -130,7 +145,7 @@ def test_modules_run_the_functions_and_match_torch_autograd(dtype):
             out.backward(g)
             return [out.detach(), x.grad, norm.weight.grad] + [p.grad for p in mlp.parameters()]
         finally:
-            train_ops.AVAILABLE = train_ops_available
+            train_ops.AVAILABLE, train_ops.SILU = train_ops_available, silu
 
     got, want = run(True), run(False)
     h = _half_ulp(dtype)
@@ -236,15 +251,16 @@ def test_attention_module_gradients_through_the_function(dtype):
     ids = torch.randint(0, 96, (3, 20), generator=torch.Generator().manual_seed(1))
 
     def grads(fast):
-        saved = train_ops.AVAILABLE
-        train_ops.AVAILABLE = fast
+        saved = train_ops.AVAILABLE, train_ops.SILU
+        train_ops.AVAILABLE = train_ops.SILU = fast
         try:
             model.zero_grad(set_to_none=True)
             model(ids).float().logsumexp(-1).sum().backward()
             return {n: p.grad.double() for n, p in model.named_parameters()}
         finally:
-            train_ops.AVAILABLE = saved
+            train_ops.AVAILABLE, train_ops.SILU = saved
 
+    assert "QKNormRopeFunctionBackward" in _graph_names(model(ids))
     got, want = grads(True), grads(False)
     h = _half_ulp(dtype)
     for name in want:
