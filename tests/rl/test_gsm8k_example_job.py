@@ -52,6 +52,8 @@ def test_sample_is_package_data_and_maps_gsm8k_rows():
     assert gsm8k_row({"question": "q", "answer": "so 1,200 + 5\n#### 1,205"}) == \
         {"prompt": "q", "answer": "1205", "solution": "so 1,200 + 5\n#### 1,205"}
     assert gsm8k_row({"prompt": "p", "answer": "3"}) == {"prompt": "p", "answer": "3"}
+    for answer in ("####", "x #### ,", "5 ####  "):  # no final after the marker: not a GSM8K solution, kept
+        assert gsm8k_row({"prompt": "p", "answer": answer}) == {"prompt": "p", "answer": answer}
 
 
 @pytest.mark.parametrize("text,want", [

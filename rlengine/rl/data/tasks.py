@@ -203,14 +203,15 @@ def digit_string_task(name: str, num_train: int, num_eval: int, seed: int, digit
 def gsm8k_row(row: dict) -> dict:
     """GSM8K's shape -> ours: "question" stands in for a missing "prompt", and an answer string with a
     "#### N" line (a GSM8K solution) becomes N (commas dropped: "1,200" -> "1200"), the full solution
-    kept as extra["solution"]. Other rows pass through unchanged."""
+    kept as extra["solution"]. Other rows (an answer with nothing after "####" too) pass through unchanged."""
     row = dict(row)
     if "prompt" not in row and isinstance(row.get("question"), str):
         row["prompt"] = row.pop("question")
     answer = row.get("answer")
-    if isinstance(answer, str) and "####" in answer:
+    final = answer.rsplit("####", 1)[1].strip().replace(",", "") if isinstance(answer, str) and "####" in answer else ""
+    if final:  # "####" with nothing after it is no GSM8K solution: the answer stays as written
         row["solution"] = answer
-        row["answer"] = answer.rsplit("####", 1)[1].strip().replace(",", "")
+        row["answer"] = final
     return row
 
 
