@@ -56,6 +56,29 @@ inline void norm_row(const T* x, const T* w, T* y, int64_t C, float eps) {
   for (int64_t c = 0; c < C; ++c) store(y, c, load(w, c) * round_to<T>(load(x, c) * inv));
 }
 
+// norm_row's backward for one row: gy[0, C) is d y in fp32 (overwritten with gy * w), xh[0, C) scratch.
+// dx = s (u - x^ mean(u x^)) with u = gy w, x^ = x s (the rounding passed straight through, as autograd does);
+// dw[c] += gy[c] * round(x^[c]), the value the forward multiplied by w.
+template <typename T>
+inline void norm_row_backward(const T* x, float* gy, const float* w, float* xh, T* dx, float* dw, int64_t C,
+                              float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t c = 0; c < C; ++c) ss += load(x, c) * load(x, c);
+  const float s = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
+  float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t c = 0; c < C; ++c) {
+    xh[c] = load(x, c) * s;
+    dw[c] += gy[c] * round_to<T>(xh[c]);
+    gy[c] *= w[c];
+    dot += gy[c] * xh[c];
+  }
+  const float m = dot / static_cast<float>(C);
+#pragma omp simd
+  for (int64_t c = 0; c < C; ++c) store(dx, c, s * (gy[c] - xh[c] * m));
+}
+
 // r[0, C) = round(r + x), the residual add in the input dtype.
 template <typename T>
 inline void add_row(T* r, const T* x, int64_t C) {

@@ -28,18 +28,23 @@ struct Dims {
   int64_t q_sb, q_sh;  // q strides (elements) of the B and H dims
 };
 
+// out[r, 0, D) = the normalised output of s's rows 0..R-1.
+template <typename scalar_t>
+void store_rows(const RowState& s, int64_t R, int64_t D, scalar_t* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv = 1.f / s.l[r];  // l >= 1: the max-scoring token contributes exp(0)
+    const float* a = s.acc.data() + r * D;
+    for (int64_t j = 0; j < D; ++j) out[r * D + j] = static_cast<scalar_t>(a[j] * inv);
+  }
+}
+
 template <typename scalar_t>
 void decode_group(const Dims& d, int64_t b, int64_t hkv, const scalar_t* q, const scalar_t* k_cache,
                   const scalar_t* v_cache, const int32_t* kv_indptr, const int32_t* kv_indices,
                   const int32_t* kv_last_page_len, float sm_scale, scalar_t* out, RowState& s) {
   const int64_t G = d.G, D = d.D;
   attend_own_pages(d, b, hkv, q, k_cache, v_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale, s);
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.f / s.l[g];  // l >= 1: the max-scoring token contributes exp(0)
-    const float* a = s.acc.data() + g * D;
-    scalar_t* o = out + (b * d.H + hkv * G + g) * D;
-    for (int64_t j = 0; j < D; ++j) o[j] = static_cast<scalar_t>(a[j] * inv);
-  }
+  store_rows(s, G, D, out + (b * d.H + hkv * G) * D);  // the group's heads are adjacent rows of out
 }
 
 // Software prefetch of work item `item`'s K/V rows, issued one item ahead: in a decode step the cache
@@ -120,12 +125,7 @@ void decode_sequence(const Dims& d, int64_t b, const scalar_t* q, const scalar_t
     for (int64_t r = 0; r < H; ++r)
       page_accumulate(s.acc.data() + r * D, s.scores.data() + r * P, v + (r / G) * D, W, n_tok, D);
   }
-  for (int64_t r = 0; r < H; ++r) {
-    const float inv = 1.f / s.l[r];
-    const float* a = s.acc.data() + r * D;
-    scalar_t* o = out + (b * H + r) * D;
-    for (int64_t j = 0; j < D; ++j) o[j] = static_cast<scalar_t>(a[j] * inv);
-  }
+  store_rows(s, H, D, out + b * H * D);
 }
 
 template <typename scalar_t>

@@ -31,6 +31,7 @@
 namespace {
 
 using rlengine_norm::load;
+using rlengine_norm::norm_row_backward;
 using rlengine_norm::round_to;
 using rlengine_norm::store;
 
@@ -39,31 +40,15 @@ void rms_norm_backward_rows(const T* g, const T* x, const T* w, T* dx, float* dw
                             float eps, int64_t chunks) {
   const int64_t per = (rows + chunks - 1) / chunks;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> wf(C), u(C), xh(C);
+    std::vector<float> wf(C), gy(C), xh(C);
     for (int64_t c = 0; c < C; ++c) wf[c] = load(w, c);
     for (int64_t chunk = c0; chunk < c1; ++chunk) {
       float* dw = dw_parts + chunk * C;
       std::fill(dw, dw + C, 0.f);
       for (int64_t r = chunk * per; r < std::min(rows, (chunk + 1) * per); ++r) {
-        const T* gr = g + r * C;
-        const T* xr = x + r * C;
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t c = 0; c < C; ++c) ss += load(xr, c) * load(xr, c);
-        const float s = 1.f / std::sqrt(ss / static_cast<float>(C) + eps);
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t c = 0; c < C; ++c) {
-          const float gc = load(gr, c);
-          xh[c] = load(xr, c) * s;
-          u[c] = gc * wf[c];
-          dot += u[c] * xh[c];
-          dw[c] += gc * round_to<T>(xh[c]);
-        }
-        const float m = dot / static_cast<float>(C);
-        T* dxr = dx + r * C;
 #pragma omp simd
-        for (int64_t c = 0; c < C; ++c) store(dxr, c, s * (u[c] - xh[c] * m));
+        for (int64_t c = 0; c < C; ++c) gy[c] = load(g + r * C, c);
+        norm_row_backward(x + r * C, gy.data(), wf.data(), xh.data(), dx + r * C, dw, C, eps);
       }
     }
   });
@@ -115,19 +100,17 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 inline void store16(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(c10::BFloat16* p, __mmask16 m, __m512 v) {
-  // round to nearest even on the bits (NaN is not produced from finite inputs here)
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
-}
 inline __m512 round16(__m512 v, const float*) { return v; }
+// v rounded to bf16 (round to nearest even on the bits; NaN is not produced from finite inputs here), as fp32
 inline __m512 round16(__m512 v, const c10::BFloat16*) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void store16(c10::BFloat16* p, __mmask16 m, __m512 v) {
+  const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(round16(v, p)), 16);
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(top));
 }
 #endif
 
@@ -234,29 +217,12 @@ void qk_norm_rope_backward_rows(const T* gq, const T* gk, const T* gv, const T* 
             dxt[i + half] = load(g, i + half) * round_to<T>(cosr[i + half]) - load(g, i) * round_to<T>(sinr[i]);
           }
           T* out = dqkv + t * W + h * D;
-          if (qw == nullptr) {
+          if (qw != nullptr) {
+            norm_row_backward(qkv + t * W + h * D, dxt, is_q ? wq : wk, xh, out, is_q ? dw : dw + D, D, eps);
+          } else {
 #pragma omp simd
             for (int64_t i = 0; i < D; ++i) store(out, i, dxt[i]);
-            continue;
           }
-          const T* x = qkv + t * W + h * D;
-          const float* w = is_q ? wq : wk;
-          float* dwh = is_q ? dw : dw + D;
-          float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-          for (int64_t i = 0; i < D; ++i) ss += load(x, i) * load(x, i);
-          const float s = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < D; ++i) {
-            xh[i] = load(x, i) * s;
-            dwh[i] += dxt[i] * round_to<T>(xh[i]);
-            dxt[i] *= w[i];
-            dot += dxt[i] * xh[i];
-          }
-          const float m = dot / static_cast<float>(D);
-#pragma omp simd
-          for (int64_t i = 0; i < D; ++i) store(out, i, s * (dxt[i] - xh[i] * m));
         }
         T* vout = dqkv + t * W + (H + Hkv) * D;
         if (gv != nullptr) std::copy(gv + t * Hkv * D, gv + (t + 1) * Hkv * D, vout);
