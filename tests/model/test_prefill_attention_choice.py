@@ -1,7 +1,7 @@
 """The CPU prefill attention chosen by measurement (model/attention.py PackedCausal, no autograd).
 
 Each candidate ("torch": one SDPA per sequence, "padded": one right-padded SDPA, "upcast": bf16 on fp32
-copies) is forced in turn through injected timings and checked against causal attention of each
+copies, "tiled": csrc/prefill_attention.cpp where built and the head dim allows) is forced in turn through injected timings and checked against causal attention of each
 sequence alone in float64, so whichever the measurement picks computes the same function. The choice
 is recorded in the process's table under the shape class key, and `rlengine info --kernels` decides it.
 """
@@ -13,6 +13,7 @@ import torch
 
 from rlengine.model import kernel_choice as kc
 from rlengine.model import ops
+from rlengine.model import attention
 from rlengine.model.attention import PackedCausal, decide_prefill, prefill_candidates, prefill_key
 
 
@@ -40,20 +41,22 @@ def _forcing(monkeypatch, winner: str) -> list[list[str]]:
 
 
 # lens: equal (padding-free), ragged within the 2x padding bound, one sequence (no padded candidate),
-# and a sequence of 1 token; odd head counts and head dim
+# and a sequence of 1 token; odd head counts; a head dim the tiled kernel takes (32) and one it does not
 @pytest.mark.parametrize("lens", [[16, 16, 16], [5, 9, 1, 7, 8], [37], [1, 3]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_candidate_matches_per_sequence_attention(monkeypatch, lens, dtype):
+@pytest.mark.parametrize("D", [24, 32])
+def test_every_candidate_matches_per_sequence_attention(monkeypatch, lens, dtype, D):
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
-    H, Hkv, D = 6, 2, 24
+    H, Hkv = 6, 2
     gen = torch.Generator().manual_seed(sum(lens))
     q, k, v = (torch.randn(cu[-1], h, D, generator=gen).to(dtype) for h in (H, Hkv, Hkv))
     ref = _reference(q, k, v, cu, D ** -0.5)
     can_pad = PackedCausal(cu, 1.0).can_pad
-    names = prefill_candidates(dtype, can_pad)
+    names = prefill_candidates(dtype, can_pad, D)
     assert ("padded" in names) == can_pad and ("upcast" in names) == (dtype == torch.bfloat16)
+    assert ("tiled" in names) == (attention.TILED and D == 32)
     # fp32: summation order only; bf16: inputs are exact, the output and torch's bf16 probabilities round
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for name in names:
