@@ -43,6 +43,11 @@ import torch
 
 MODES = ("measure", "torch", "skinny", "pinned")
 MARGIN = 0.9          # a non-torch candidate must take <= 0.9x torch's median to be chosen
+# ... except a split of torch's own op: "chunked" runs torch's GEMM on blocks of the weight's rows, each
+# output element the same library dot product over K (bit-identical to the one call on a 2-core EPYC,
+# fp32 and bf16, 64-512 rows), so a near tie flipping between runs changes time, not numbers. The 0.9
+# bar kept qwen3-0.6b's fused q/k/v and gate/up GEMMs on the one call at 0.92-0.95x its time.
+MARGINS = {"chunked": 0.97}
 MIN_ROUNDS, MAX_ROUNDS = 3, 7
 ROUND_BUDGET_S = 0.25  # stop adding rounds once the timing has taken this long (big LM heads)
 TIMING = "cold-weights"  # how candidates are timed (ops.py: weights streamed from memory); part of the cache key
@@ -86,9 +91,10 @@ def _median_times(candidates: dict[str, Callable[[], object]]) -> dict[str, floa
 
 
 def pick(ms: dict[str, float], reference: str = "torch") -> str:
-    """The fastest candidate, unless it beats the reference by less than MARGIN (then the reference)."""
+    """The fastest candidate, unless it beats the reference by less than its margin (MARGINS, else
+    MARGIN; then the reference)."""
     best = min(ms, key=ms.get)
-    if best != reference and reference in ms and ms[best] > MARGIN * ms[reference]:
+    if best != reference and reference in ms and ms[best] > MARGINS.get(best, MARGIN) * ms[reference]:
         return reference
     return best
 
