@@ -2,15 +2,19 @@
 
 Providers: "loop" = one SDPA call per sequence; "padded" = one causal SDPA over the right-padded
 batch (rlengine.model.attention.PackedCausal with layout="loop" / "padded"; its default "auto"
-pads when gradients flow or on a GPU).
+pads when gradients flow or on a GPU); "tiled" = csrc/prefill_attention.cpp over the packed rows
+(CPU, forward only, AVX-512 builds; the engine's prefill takes it where its kernel choice measured it
+faster). tiled_speedup = loop ms / tiled ms.
 Per layer, forward and forward+backward, for batches of B sequences of ragged length (uniform in
-[L/2, 3L/2]), GQA 8:4, D 64 (qwen3-30m's attention), fp32 on CPU / bf16 on GPU. Also one full
+[L/2, 3L/2]; B=1: exactly L), GQA 8:4, D 64 (qwen3-30m's attention; --heads 16,8,128 is qwen3-0.6b's),
+fp32 on CPU / bf16 on GPU (--dtype). Also one full
 GRPO learner step (forward + backward + AdamW over 8 layers) on the qwen3-30m preset with each
 (there the layout is switched through PackedCausal.MAX_PAD_FACTOR: 0 disables padding).
 Attention is compute-bound: each provider's TFLOP/s counts the useful causal FLOPs only
 (4 * n^2 / 2 * H * D per sequence forward, 2.5x that with the backward), and its fraction of
 the measured matmul ceiling with --ceilings. The sweep is declarative:
     python bench/bench_packed_attention.py --grid "B=8,32 L=64,256 mode=fwd,fwd+bwd" --plot pa.png
+    rlengine bench packed_attention --grid "B=1 L=64,256,512,2048 mode=fwd" --heads 16,8,128 --threads 1 --learner ""
     ncu --profile-from-start off python bench/bench_packed_attention.py --shape "B=32 L=256 mode=fwd" --ncu
 """
 
@@ -20,8 +24,8 @@ import argparse
 
 import torch
 
-from rlengine.model.config import preset
-from rlengine.model.attention import PackedCausal
+from rlengine.model.config import ConfigError, preset
+from rlengine.model.attention import TILED, PackedCausal
 from rlengine.model.qwen3 import Qwen3ForCausalLM
 from rlengine.rl.learner.batching import grpo_batch
 from rlengine.rl.config import TrainSection
@@ -31,10 +35,12 @@ from rlengine.rl.rollout_group import RolloutGroup
 from rlengine.benchmarks.harness import (add_sweep_args, load_ceilings, measure, one_launch, rates, report,
                                          selected_providers, sweep_cases)
 
-PROVIDERS = ["loop", "padded"]  # "loop" is the reference
+PROVIDERS = ["loop", "padded", "tiled"]  # "loop" is the reference
 
 
 def _lens(B: int, L: int, seed: int) -> list[int]:
+    if B == 1:
+        return [L]
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(L // 2, 3 * L // 2 + 1, (B,), generator=gen).tolist()
 
@@ -44,19 +50,26 @@ def _causal_flops(lens: list[int], H: int, D: int, backward: bool) -> float:
     return fwd * (3.5 if backward else 1.0)          # backward: about 2.5x the forward
 
 
-def _attention_case(B, L, dtype, device, backward, layout, iters, ncu=False):
+def _attention_case(B, L, dtype, device, backward, layout, iters, ncu=False, heads=(8, 4, 64)):
     lens = _lens(B, L, seed=B * 1000 + L)
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
-    T, H, Hkv, D = cu[-1], 8, 4, 64
+    T, (H, Hkv, D) = cu[-1], heads
     q, k, v = (torch.randn(T, h, D, device=device, dtype=dtype, requires_grad=backward) for h in (H, Hkv, Hkv))
-    ctx = PackedCausal(cu, D ** -0.5, layout=layout)
+    if layout == "tiled":
+        cu_t = torch.tensor(cu, dtype=torch.int64)
 
-    def run():
-        out = ctx.attend(0, q, k, v)
-        if backward:
-            out.sum().backward()
+        def run():
+            with torch.inference_mode():
+                torch.ops.rlengine.prefill_attention(q, k, v, cu_t, D ** -0.5)
+    else:
+        ctx = PackedCausal(cu, D ** -0.5, layout=layout)
+
+        def run():
+            out = ctx.attend(0, q, k, v)
+            if backward:
+                out.sum().backward()
     if ncu:
         return one_launch(run, label=f"{layout} B={B} L={L}", device=device), T, 0.0
     return measure(run, iters=iters, device=device), T, _causal_flops(lens, H, D, backward)
@@ -83,11 +96,24 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_sweep_args(p, "B=8,32,128 L=64,256 mode=fwd,fwd+bwd", PROVIDERS)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--heads", default="8,4,64", help="H,Hkv,D of the attention cases (default: %(default)s)")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: bfloat16 on a GPU, else float32)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--learner", default="8,8,48", help="P,G,L of the learner step case ('' to skip)")
     args = p.parse_args(argv)
     device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    dname = "bfloat16" if on_gpu else "float32"
+    dname = args.dtype or ("bfloat16" if on_gpu else "float32")
+    if dname not in ("float32", "bfloat16"):
+        raise ConfigError(f"--dtype must be float32 or bfloat16, got {dname!r}")
+    dtype = getattr(torch, dname)
+    try:
+        heads = tuple(int(x) for x in args.heads.split(","))
+    except ValueError:
+        heads = ()
+    if len(heads) != 3 or min(heads) < 1 or heads[0] % heads[1]:
+        raise ConfigError(f"--heads must be H,Hkv,D with H a multiple of Hkv, got {args.heads!r}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ceilings = load_ceilings(args.ceilings)
     providers = selected_providers(args, PROVIDERS)
     rows = []
@@ -95,7 +121,10 @@ def main(argv=None) -> None:
         B, L, mode = int(case["B"]), int(case["L"]), str(case.get("mode", "fwd"))
         row = {"case": "attention", "B": B, "L": L, "mode": mode}
         for name in providers:
-            timing, T, flops = _attention_case(B, L, dtype, device, mode == "fwd+bwd", name, args.iters, args.ncu)
+            if name == "tiled" and (mode != "fwd" or on_gpu or not TILED or heads[2] % 16 or heads[2] > 256):
+                continue  # forward only, the CPU op of AVX-512 builds
+            timing, T, flops = _attention_case(B, L, dtype, device, mode == "fwd+bwd", name, args.iters, args.ncu,
+                                               heads)
             if args.ncu:
                 print(timing)
                 continue
@@ -108,6 +137,8 @@ def main(argv=None) -> None:
             continue
         if "loop_ms" in row and "padded_ms" in row:
             row["speedup"] = row["loop_ms"] / row["padded_ms"]
+        if "loop_ms" in row and "tiled_ms" in row:
+            row["tiled_speedup"] = row["loop_ms"] / row["tiled_ms"]
         rows.append(row)
         print(rows[-1], flush=True)
     if args.ncu:
@@ -122,9 +153,10 @@ def main(argv=None) -> None:
         rows.append(row)
     PackedCausal.MAX_PAD_FACTOR = default_factor
     report("bench_packed_attention", rows, out=args.out, device=device,
-           columns=["case", "B", "L", "T", "mode", "loop_ms", "padded_ms", "speedup", "loop_TFLOPs", "padded_TFLOPs",
-                    "padded_flops_frac"],
-           extra={"dtype": str(dtype), "heads": "H=8 Hkv=4 D=64", "grid": args.shape or args.grid},
+           columns=["case", "B", "L", "T", "mode", "loop_ms", "padded_ms", "speedup", "tiled_ms", "tiled_speedup",
+                    "loop_TFLOPs", "padded_TFLOPs", "tiled_TFLOPs"],
+           extra={"dtype": str(dtype), "heads": "H={} Hkv={} D={}".format(*heads), "grid": args.shape or args.grid,
+                  "threads": torch.get_num_threads()},
            plot={"path": args.plot, "x": "B", "y": [f"{n}_ms" for n in providers], "group": ["L", "mode"]})
 
 
