@@ -159,8 +159,10 @@ class PackedCausal:
             if impl is None and KERNELS.mode == "pinned" and key not in KERNELS.table:
                 impl = "torch"  # a table saved before this choice existed: the fixed rule it was saved with
             if impl is None:
-                cands = {name: (lambda n=name: self._run(n, q_THD, k_TKD, v_TKD))
-                         for name in prefill_candidates(q_THD.dtype, self.can_pad, q_THD.shape[2])}
+                names = prefill_candidates(q_THD.dtype, self.can_pad, q_THD.shape[2])
+                if self.bounds[0][0] != 0 or self.bounds[-1][1] != q_THD.shape[0]:
+                    names = [n for n in names if n != "tiled"]  # the kernel takes rows [0, T) exactly
+                cands = {name: (lambda n=name: self._run(n, q_THD, k_TKD, v_TKD)) for name in names}
                 impl = KERNELS.choose(key, cands, rule="torch")
                 KERNELS.memo[key] = impl
             self._impl = impl

@@ -52,6 +52,8 @@ def _op(q, k, v, cu, scale):
     ([40, 33], 8, 2, 64),            # G = 4
     ([17, 3], 2, 1, 256),            # the widest head
     ([129], 2, 1, 48),               # D not a multiple of 64: the P V kernel's short tile
+    ([260, 40], 6, 2, 32),           # G = 3: 21-row query blocks, some straddling a key block's end:
+    ([1550], 3, 1, 16),              # at 1536 with 3 tokens (9 rows) before it, a P V tile mixing rows with no key
 ])
 def test_matches_per_sequence_attention_fp32(lens, H, Hkv, D):
     q, k, v, cu = _inputs(lens, H, Hkv, D, torch.float32, seed=sum(lens) + D)
