@@ -250,14 +250,20 @@ struct RowState {
   }
 };
 
+// n contiguous elements as fp32: copied, or widened from fp16 / bf16.
+template <typename scalar_t>
+inline void to_fp32(const scalar_t* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    widen(src, dst, n);
+  }
+}
+
 // q row of width D, widened to fp32 and scaled by sm_scale (scores come out ready for the softmax).
 template <typename scalar_t>
 inline void load_query(const scalar_t* src, float* dst, int64_t D, float sm_scale) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::memcpy(dst, src, D * sizeof(float));
-  } else {
-    widen(src, dst, D);
-  }
+  to_fp32(src, dst, D);
   scale(dst, sm_scale, D);
 }
 

@@ -30,7 +30,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "paged_attention.h"  // widen, exp_shifted_sum, max_of, exp_nonpositive16
+#include "paged_attention.h"  // to_fp32, load_query, exp_shifted_sum, max_of, exp_nonpositive
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define RLENGINE_PREFILL_AVX512 1
@@ -160,14 +160,7 @@ void accumulate(const float* p, const float* v, int64_t vs, const int64_t* nk_ro
     if (nk_rows[r] > 0) pv_tile<1>(p + r * kBk, v, vs, nk_rows[r], D, o + r * D);
 }
 
-template <typename scalar_t>
-inline void to_fp32(const scalar_t* src, float* dst, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    std::memcpy(dst, src, n * sizeof(float));
-  } else {
-    rlengine_attn::widen(src, dst, n);
-  }
-}
+using rlengine_attn::to_fp32;
 
 struct Dims {
   int64_t H, Hkv, G, D, Bq;
@@ -199,8 +192,7 @@ void run_item(const Dims& d, const Item& it, const scalar_t* q, const float* v, 
       if constexpr (pairs) {
         std::memcpy(dst, src, D * sizeof(scalar_t));  // the bf16 row as D / 2 pairs; scaled after the dot products
       } else {
-        to_fp32(src, dst, D);
-        for (int64_t j = 0; j < D; ++j) dst[j] *= scale;
+        rlengine_attn::load_query(src, dst, D, scale);
       }
     }
   std::fill(b.o.begin(), b.o.begin() + R * D, 0.f);

@@ -13,19 +13,10 @@ import torch
 
 from rlengine.model import ext
 
+from tests.support.kernel_checks import packed_causal_fp64
+
 pytestmark = pytest.mark.skipif(not ext.has_op("prefill_attention"),
                                 reason="prefill_attention is built only with AVX-512 (csrc/prefill_attention.cpp)")
-
-
-def _reference(q, k, v, cu, scale):
-    G = q.shape[1] // k.shape[1]
-    outs = []
-    for a, b in zip(cu, cu[1:]):
-        qd, kd, vd = (x[a:b].double().transpose(0, 1) for x in (q, k, v))
-        s = (qd @ kd.repeat_interleave(G, 0).transpose(1, 2)) * scale
-        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
-        outs.append((s.softmax(-1) @ vd.repeat_interleave(G, 0)).transpose(0, 1))
-    return torch.cat(outs)
 
 
 def _inputs(lens, H, Hkv, D, dtype, seed):
@@ -61,7 +52,7 @@ def test_matches_per_sequence_attention_fp32(lens, H, Hkv, D):
     out = _op(q, k, v, cu, scale)
     assert out.shape == q.shape and out.dtype == torch.float32 and out.is_contiguous()
     # fp32 dot products of D terms and sums of up to 520 probabilities: ~1e-6 relative
-    torch.testing.assert_close(out.double(), _reference(q, k, v, cu, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), packed_causal_fp64(q, k, v, cu, scale), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("lens,H,Hkv,D", [([270, 9], 4, 2, 32), ([300], 2, 2, 48)])
@@ -70,7 +61,7 @@ def test_bf16_is_within_one_output_rounding(lens, H, Hkv, D):
     out = _op(q, k, v, cu, 0.2)
     assert out.dtype == torch.bfloat16
     # bf16 products are exact in fp32 and sums stay fp32: ~1e-6, then half a bf16 ulp (2^-9 relative)
-    torch.testing.assert_close(out.double(), _reference(q, k, v, cu, 0.2), atol=1e-5, rtol=2 ** -8)
+    torch.testing.assert_close(out.double(), packed_causal_fp64(q, k, v, cu, 0.2), atol=1e-5, rtol=2 ** -8)
 
 
 def test_threads_split_the_work_without_changing_it():

@@ -16,17 +16,7 @@ from rlengine.model import ops
 from rlengine.model import attention
 from rlengine.model.attention import PackedCausal, decide_prefill, prefill_candidates, prefill_key
 
-
-def _reference(q, k, v, cu, scale):
-    """Per-sequence causal attention in float64 with the KV heads repeated (no GQA path)."""
-    G = q.shape[1] // k.shape[1]
-    outs = []
-    for a, b in zip(cu, cu[1:]):
-        qd, kd, vd = (x[a:b].double().transpose(0, 1) for x in (q, k, v))
-        s = (qd @ kd.repeat_interleave(G, 0).transpose(1, 2)) * scale
-        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
-        outs.append((s.softmax(-1) @ vd.repeat_interleave(G, 0)).transpose(0, 1))
-    return torch.cat(outs)
+from tests.support.kernel_checks import packed_causal_fp64
 
 
 def _forcing(monkeypatch, winner: str) -> list[list[str]]:
@@ -52,7 +42,7 @@ def test_every_candidate_matches_per_sequence_attention(monkeypatch, lens, dtype
     H, Hkv = 6, 2
     gen = torch.Generator().manual_seed(sum(lens))
     q, k, v = (torch.randn(cu[-1], h, D, generator=gen).to(dtype) for h in (H, Hkv, Hkv))
-    ref = _reference(q, k, v, cu, D ** -0.5)
+    ref = packed_causal_fp64(q, k, v, cu, D ** -0.5)
     can_pad = PackedCausal(cu, 1.0).can_pad
     names = prefill_candidates(dtype, can_pad, D)
     assert ("padded" in names) == can_pad and ("upcast" in names) == (dtype == torch.bfloat16)
@@ -110,4 +100,4 @@ def test_a_pinned_table_without_the_class_keeps_the_loop(monkeypatch):
     with torch.inference_mode():
         out = PackedCausal([0, 20, 40], 0.3).attend(0, q, k, v)
     assert timed == [] and set(ops.KERNELS.table) == {"linear/float32/B=1/8x8"}
-    torch.testing.assert_close(out.double(), _reference(q, k, v, [0, 20, 40], 0.3), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), packed_causal_fp64(q, k, v, [0, 20, 40], 0.3), atol=1e-5, rtol=1e-5)

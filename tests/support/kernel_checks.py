@@ -86,6 +86,20 @@ def sdpa_fp64(q_HD: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor, sm_s
     return torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), v)
 
 
+def packed_causal_fp64(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, cu: list[int],
+                       scale: float) -> torch.Tensor:
+    """Causal attention of each packed sequence cu[i]:cu[i+1] alone, in float64, the KV heads repeated
+    (no GQA path): [T, H, D]."""
+    G = q_THD.shape[1] // k_TKD.shape[1]
+    outs = []
+    for a, b in zip(cu, cu[1:]):
+        qd, kd, vd = (x[a:b].double().transpose(0, 1) for x in (q_THD, k_TKD, v_TKD))
+        s = (qd @ kd.repeat_interleave(G, 0).transpose(1, 2)) * scale
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        outs.append((s.softmax(-1) @ vd.repeat_interleave(G, 0)).transpose(0, 1))
+    return torch.cat(outs)
+
+
 def plant_needle(q_BHD: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, b: int, pos: int,
                  boost: float = 12.0) -> None:
     """Make token `pos` of sequence b carry ~all the attention mass of every head, in place.
